@@ -1,0 +1,127 @@
+"""Step-time overhead of earlywarn vs the alternatives, measured side by side in one process.
+
+    python benchmarks/overhead.py [--steps 12] [--threads 2]
+
+GPT-like model (6 layers, d=384, 6 heads, seq 256, batch 8, ~11M params) on CPU, fused AdamW.
+Variants run interleaved (round-robin, rotating order) so machine noise hits all of them alike;
+each figure is the median over --steps steps. Printed ratios are to the bare step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import earlywarn  # noqa: E402
+from tinygpt import GPT, GPTConfig, param_count  # noqa: E402
+
+
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, opt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-wandb", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 128, (8, 256), generator=g)
+    y = torch.randint(0, 128, (8, 256), generator=g)
+
+    variants: dict[str, dict] = {}
+
+    def add(name, setup):
+        model, opt = make()
+        extra, ctx = setup(model, opt)
+        variants[name] = {"model": model, "opt": opt, "extra": extra, "ctx": ctx, "times": []}
+
+    add("bare step", lambda m, o: (None, None))
+
+    def with_earlywarn(m, o):
+        ew = earlywarn.watch(m, o, sinks=[])
+        return (lambda loss: ew.report_loss(loss)), ew
+
+    add("+ earlywarn (sync)", with_earlywarn)
+    add("+ clip_grad_norm_(foreach=True)", lambda m, o: ((lambda loss: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9, foreach=True)), None))
+    add("+ per-param .norm().item() loop", lambda m, o: ((lambda loss: [p.grad.norm().item() for p in m.parameters()]), None))
+
+    wandb_run = None
+    if not args.no_wandb:
+        tmp = tempfile.mkdtemp(prefix="ew-bench-wandb-")
+        for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": tmp, "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+                     "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB__DISABLE_STATS": "true",
+                     "WANDB__DISABLE_META": "true", "WANDB_DATA_DIR": f"{tmp}/data", "WANDB_CACHE_DIR": f"{tmp}/cache",
+                     "WANDB_CONFIG_DIR": f"{tmp}/config"}.items():
+            os.environ[k] = v
+        import wandb
+
+        def with_wandb(m, o):
+            nonlocal wandb_run
+            wandb_run = wandb.init(project="earlywarn-bench")
+            wandb.watch(m, log="gradients", log_freq=1)
+            return (lambda loss: wandb_run.log({"loss": float(loss)})), None
+
+        add('+ wandb.watch(log="gradients", log_freq=1)', with_wandb)
+
+    def one_step(v):
+        model, opt = v["model"], v["opt"]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        if v["extra"] is not None:
+            v["extra"](loss)
+        opt.step()
+        return time.perf_counter() - t0
+
+    names = list(variants)
+    for v in variants.values():  # warm-up: allocator, optimizer state, wandb hooks
+        one_step(v)
+        one_step(v)
+    for r in range(args.steps):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            variants[name]["times"].append(one_step(variants[name]))
+
+    # The stats pass alone vs one bare foreach norm over the same gradients (the bandwidth floor).
+    ew = variants["+ earlywarn (sync)"]["ctx"]
+    grads = [p.grad for p in variants["+ earlywarn (sync)"]["model"].parameters()]
+    t_stats, t_norm = [], []
+    for r in range(200):
+        pair = [("stats", lambda: ew._stats.layer_sq_norms().cpu().numpy()), ("norm", lambda: torch._foreach_norm(grads))]
+        for name, fn in (pair if r % 2 == 0 else pair[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            (t_stats if name == "stats" else t_norm).append(time.perf_counter() - t0)
+
+    base = statistics.median(variants["bare step"]["times"])
+    model = variants["bare step"]["model"]
+    print(f"model: {param_count(model) / 1e6:.1f}M params, batch 8 x 256, fused AdamW, {torch.get_num_threads()} threads, "
+          f"{args.steps} interleaved steps per variant (median)")
+    print(f"{'variant':45s} {'ms/step':>9s} {'ratio':>7s}")
+    for name in names:
+        med = statistics.median(variants[name]["times"])
+        print(f"{name:45s} {med * 1e3:9.1f} {med / base:7.3f}x")
+    ms, mn = statistics.median(t_stats), statistics.median(t_norm)
+    print(f"{'earlywarn stats pass (norms + 1 host read)':45s} {ms * 1e3:9.2f} {ms / mn:7.3f}x of one bare torch._foreach_norm ({mn * 1e3:.2f} ms)")
+    ew.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Gradients -> statistics, on the device (torch only)."""

@@ -1,0 +1,146 @@
+"""The one record every part of earlywarn speaks: an :class:`Event`.
+
+Detectors emit alerts as events, the guard emits skips, recovery emits repairs, checkpoints and
+rewinds, and every sink (console, JSONL, MLflow, W&B, webhook) consumes the same record. Pure
+Python: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class Level(enum.IntEnum):
+    """Severity, ordered so that ``max(levels)`` is the worst."""
+
+    NONE = 0
+    INFO = 1
+    """Worth knowing, nothing to do: an isolated spike that recovered, a loss-scale overflow."""
+    WARNING = 2
+    """Collapse risk: escalating or sustained growth, or several layers at once."""
+    CRITICAL = 3
+    """Non-finite gradient caught before the step, non-finite or diverged loss, poisoned state."""
+
+    @classmethod
+    def parse(cls, value: "Level | str | int") -> "Level":
+        if isinstance(value, Level):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        names = ", ".join(l.name.lower() for l in cls)
+        raise ValueError(f"unknown level {value!r}: use one of {names}")
+
+    def __str__(self) -> str:  # "warning", as written in JSON and shown to people
+        return self.name.lower()
+
+
+class Kind(str, enum.Enum):
+    """What happened. Alerts come from the detector; the rest are actions and their results."""
+
+    # detector alerts
+    NONFINITE_GRAD = "nonfinite_grad"
+    GRAD_SPIKE = "grad_spike"
+    COLLAPSE_RISK = "collapse_risk"
+    LOSS_NONFINITE = "loss_nonfinite"
+    LOSS_DIVERGED = "loss_diverged"
+    SCALER_OVERFLOW = "scaler_overflow"
+    # actions and their outcomes
+    SKIP = "skip"
+    REPAIR = "repair"
+    CHECKPOINT = "checkpoint"
+    REWIND = "rewind"
+    QUARANTINE = "quarantine"
+    HALT = "halt"
+    RESUME = "resume"
+    # sinks reporting on themselves (dropped metrics, a tracker that is down)
+    SINK = "sink"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _finite_or_none(x: Any) -> Any:
+    # JSON has no NaN/Inf; keep them readable as strings so nothing is silently lost.
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened at one optimizer step.
+
+    ``layers`` is ordered: the first entry is the layer that moved first (for a non-finite
+    gradient, the first one in backward order). ``batch`` is the data position of the batch that
+    produced the step when earlywarn knows it (a resumable loader), else the step's batch counter.
+    """
+
+    step: int
+    kind: Kind
+    level: Level
+    message: str
+    signal: str | None = None
+    layers: tuple[str, ...] = ()
+    values: Mapping[str, float] = field(default_factory=dict)
+    batch: int | None = None
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))
+        object.__setattr__(self, "level", Level.parse(self.level))
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    @property
+    def layer(self) -> str | None:
+        """The layer that moved first, if any."""
+        return self.layers[0] if self.layers else None
+
+    @property
+    def title(self) -> str:
+        """A short title (< 64 characters, what W&B alerts want)."""
+        where = f" in {self.layer}" if self.layer else ""
+        text = f"earlywarn {self.level}: {self.kind}{where} @ step {self.step}"
+        return text if len(text) < 64 else text[:60] + "..."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "kind": str(self.kind),
+            "level": str(self.level),
+            "message": self.message,
+            "signal": self.signal,
+            "layers": list(self.layers),
+            "values": {k: _finite_or_none(float(v)) for k, v in self.values.items()},
+            "batch": self.batch,
+            "time": self.time,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Event":
+        values = {k: float(v) for k, v in (d.get("values") or {}).items()}
+        return cls(
+            step=int(d["step"]),
+            kind=Kind(d["kind"]),
+            level=Level.parse(d["level"]),
+            message=str(d["message"]),
+            signal=d.get("signal"),
+            layers=tuple(d.get("layers") or ()),
+            values=values,
+            batch=d.get("batch"),
+            time=float(d.get("time", 0.0)),
+        )
+
+    def __str__(self) -> str:
+        return f"[earlywarn {self.level.name}] step {self.step}: {self.message}"

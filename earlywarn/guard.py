@@ -1,0 +1,644 @@
+"""The gradient guard behind ``earlywarn.watch(model, optimizer)``: the one line that guards a training run.
+
+The watcher replaces ``optimizer.step`` on that one optimizer instance (and ``scaler.step`` when a
+GradScaler is given). At each optimizer step, before the optimizer writes anything, it:
+
+1. computes per-layer squared gradient norms on the device (``capture.gradstats``), plus the
+   reported loss, into one small vector;
+2. moves that vector to the host once (sync mode) or one step late (async mode);
+3. skips the step when any gradient is non-finite (fused Adam/AdamW: ``found_inf`` on the device,
+   no sync; other optimizers: ``step()`` is simply not called -- never "multiply by 0");
+4. feeds the detector, asks the policy what to do, and runs the actions (checkpoint, rewind,
+   repair, halt) and the sinks.
+
+``detach()`` puts everything back as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from earlywarn.capture.gradstats import GradStats
+from earlywarn.capture.grouping import GroupBy, build_layer_map
+from earlywarn.capture.hostread import LateReader, SyncReader
+from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
+from earlywarn.events import Event, Kind, Level
+from earlywarn.metrics import MetricsConfig, build_metrics
+from earlywarn.policy import Action, Policy, PolicyConfig
+from earlywarn.recover import Halt, Recovery, RecoveryConfig
+from earlywarn.sinks import Sink
+from earlywarn.sinks.defaults import build_sinks, default_sink_specs
+
+_MODES = ("auto", "sync", "async")
+
+
+@dataclass(kw_only=True)
+class WatchConfig:
+    """Options of :func:`earlywarn.watch`. Every default protects; options only tune."""
+
+    mode: str = "auto"
+    """``"sync"``: one batched host read per step, before the step (spikes can be skipped too).
+    ``"async"``: no host read on the hot path; the fused optimizer skips non-finite steps on the
+    device and the detector sees each step one step late (needs fused Adam/AdamW).
+    ``"auto"``: async on CUDA with a fused Adam/AdamW, else sync."""
+    group_by: GroupBy = "module"
+    """What a layer is: ``"module"`` (owning module), ``"depth:N"`` / ``N`` (module path cut to N
+    components), or a function ``param_name -> layer_name``."""
+    detector: DetectorConfig | str | os.PathLike | None = None
+    """Detector thresholds, or a path to a config written by ``earlywarn calibrate``."""
+    baseline: Mapping[str, float] | None = None
+    """Prior typical values (e.g. ``{"grad_norm": 0.2}``) when resuming a run without history."""
+    policy: PolicyConfig | None = None
+    """How alerts map to actions (cooldowns, rewind limits)."""
+    recovery: RecoveryConfig | None = None
+    """Snapshots, checkpoints, rewind-and-skip."""
+    sinks: Sequence[str | Sink] | None = None
+    """Where metrics and events go; ``None`` = console + JSONL + embedded MLflow (see README)."""
+    sink_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per-sink options keyed by sink name, e.g. ``{"wandb": {"project": "x"}}``."""
+    metrics: MetricsConfig | None = None
+    """Which metrics go to the sinks and how often per-layer series are logged."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {', '.join(_MODES)}")
+        if isinstance(self.detector, (str, os.PathLike)):
+            self.detector = DetectorConfig.from_file(self.detector)
+        for name, typ in (("detector", DetectorConfig), ("policy", PolicyConfig),
+                          ("recovery", RecoveryConfig), ("metrics", MetricsConfig)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, typ):
+                raise TypeError(f"{name}= takes an earlywarn {typ.__name__}, got {type(value).__name__}")
+
+
+def _is_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    # torch's fused Adam/AdamW honour `optimizer.found_inf` inside the kernel: a sync-free skip.
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    return all(bool(g.get("fused")) for g in optimizer.param_groups)
+
+
+class _Tag:
+    """What the host needs to know about a step whose vector may arrive a step late."""
+
+    __slots__ = ("step", "batch", "loss_reported", "counts")
+
+    def __init__(self, step: int, batch: Any, loss_reported: bool):
+        self.step = step
+        self.batch = batch
+        self.loss_reported = loss_reported
+        self.counts: np.ndarray | None = None
+
+
+class Watcher:
+    """Owns the hook on one optimizer. Build it with :func:`earlywarn.watch`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: WatchConfig,
+        *,
+        scaler: "torch.amp.GradScaler | None" = None,
+        loader: Any = None,
+        scheduler: Any = None,
+        extra_state: Mapping[str, Any] | None = None,
+    ):
+        if getattr(optimizer, "_earlywarn_watcher", None) is not None:
+            raise RuntimeError(
+                "this optimizer is already watched by earlywarn: call .detach() on the first watcher "
+                "(or reuse it) before calling earlywarn.watch again"
+            )
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
+        self.config = config
+        self.layer_map = build_layer_map(model, optimizer, config.group_by)
+        self.layer_names: tuple[str, ...] = self.layer_map.layer_names
+        self._stats = GradStats(self.layer_map)
+        self._fused = _is_fused_adam(optimizer)
+        device = self.layer_map.params[0].device
+        if config.mode == "async" and not self._fused:
+            raise ValueError(
+                f"mode='async' needs an optimizer that can skip on the device, but "
+                f"{type(optimizer).__name__} is not fused: pass fused=True to torch.optim.Adam/AdamW, "
+                "or use mode='sync' (one host read per step)"
+            )
+        late = config.mode == "async" or (config.mode == "auto" and self._fused and device.type == "cuda")
+        self.mode = "async" if late else "sync"
+        self._reader = LateReader() if late else SyncReader()
+
+        self._dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if self._dist else 0
+        self.world_size = torch.distributed.get_world_size() if self._dist else 1
+
+        self.detector = StreamingDetector(config.detector, self.layer_names, baseline=config.baseline)
+        self.policy = Policy(config.policy or PolicyConfig())
+        self.metrics_config = config.metrics or MetricsConfig()
+        self.events: list[Event] = []
+        self.counters: dict[str, int] = {
+            "steps": 0, "skipped_steps": 0, "repaired_steps": 0, "rewinds": 0, "checkpoints": 0,
+            "nonfinite_steps": 0, "alerts_info": 0, "alerts_warning": 0, "alerts_critical": 0,
+        }
+        self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
+        self._loss: torch.Tensor | None = None
+        self._last_alert_step: int | None = None
+        self._incident_start: tuple[int, Any] | None = None  # (step, batch) of the first alert of an episode
+        self._scaler_observed: tuple[bool] | None = None
+        self._detached = False
+
+        specs = config.sinks if config.sinks is not None else default_sink_specs()
+        self.sinks: list[Sink] = build_sinks(specs, config.sink_options, rank=self.rank)
+
+        extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy, "earlywarn_watcher": _Counters(self)}
+        extra.update(extra_state or {})
+        self.recovery = Recovery(
+            model, optimizer, config.recovery or RecoveryConfig(),
+            scheduler=scheduler, scaler=self.scaler, loader=loader, extra_state=extra, emit=self._emit,
+        )
+
+        # Record the real backward order once (first backward), to name the first bad layer.
+        self._backward_rank: np.ndarray | None = None
+        self._grad_seq: list[int] = []
+        self._order_hooks = [
+            p.register_post_accumulate_grad_hook(self._make_order_hook(i))
+            for i, p in enumerate(self.layer_map.params) if p.requires_grad
+        ]
+
+        # Install: the instance attribute shadows the class's step; detach() removes it again.
+        self._had_step_attr = "step" in optimizer.__dict__
+        self._prev_step = optimizer.__dict__.get("step")
+        self._orig_step = optimizer.step
+        optimizer.step = self._guarded_step  # type: ignore[method-assign]
+        optimizer._earlywarn_watcher = self  # type: ignore[attr-defined]
+        if self.scaler is not None:
+            self._had_scaler_attr = "step" in self.scaler.__dict__
+            self._prev_scaler_step = self.scaler.__dict__.get("step")
+            self._orig_scaler_step = self.scaler.step
+            self.scaler.step = self._guarded_scaler_step  # type: ignore[method-assign]
+
+        # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
+        if optimizer.state:
+            report = self.recovery.repair(self._step)
+            if report.repaired:
+                self.counters["repaired_steps"] += 1
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def step(self) -> int:
+        """Optimizer steps seen so far (skipped ones included; never decreases)."""
+        return self._step
+
+    def report_loss(self, loss: torch.Tensor | float) -> None:
+        """Tell earlywarn this step's loss. A tensor is kept on the device (no host sync) and read
+        with the gradient statistics in the step's one transfer."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"report_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}: reduce it first (e.g. .mean())")
+            self._loss = loss.detach().reshape(())
+        else:
+            self._loss = torch.tensor(float(loss), dtype=torch.float64)
+
+    def summary(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._step, "counters": dict(self.counters),
+                "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
+                "recovery": self.recovery.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._step = int(state["step"])
+        self.counters.update(state["counters"])
+        self.detector.load_state_dict(state["detector"])
+        self.policy.load_state_dict(state["policy"])
+        self.recovery.load_state_dict(state["recovery"])
+
+    def flush(self) -> None:
+        """Process a step still in flight (async mode) and push buffered sink data out."""
+        for vec, tag in self._reader.drain():
+            self._process(vec, tag)
+        for sink in self.sinks:
+            sink.flush(timeout=10.0)
+
+    def detach(self) -> None:
+        """Restore the optimizer (and scaler) exactly as they were. Safe to call twice."""
+        if self._detached:
+            return
+        try:
+            for vec, tag in self._reader.drain():
+                self._process(vec, tag)
+        finally:
+            self._detached = True
+            for h in self._order_hooks:
+                h.remove()
+            self._order_hooks = []
+            opt = self.optimizer
+            if opt.__dict__.get("step") == self._guarded_step:
+                if self._had_step_attr:
+                    opt.step = self._prev_step  # type: ignore[method-assign]
+                else:
+                    del opt.step
+            # else: someone wrapped our wrapper (an LR scheduler created later); it now passes through.
+            opt.__dict__.pop("_earlywarn_watcher", None)
+            if self.scaler is not None and self.scaler.__dict__.get("step") == self._guarded_scaler_step:
+                if self._had_scaler_attr:
+                    self.scaler.step = self._prev_scaler_step  # type: ignore[method-assign]
+                else:
+                    del self.scaler.step
+
+    def close(self) -> None:
+        """Detach and finish every sink (flushing with a timeout)."""
+        try:
+            self.detach()
+        finally:
+            for sink in self.sinks:
+                try:
+                    sink.finish()
+                except Exception as exc:  # a tracker must never kill training
+                    warnings.warn(f"earlywarn: sink {sink.name!r} failed to finish: {exc}")
+
+    def __enter__(self) -> "Watcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the hot path
+    def _make_order_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._grad_seq.append(index)
+        return hook
+
+    def _settle_backward_order(self) -> None:
+        if self._backward_rank is not None:
+            return
+        n = self.layer_map.num_layers
+        rank = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        for seq, p_index in enumerate(self._grad_seq):
+            layer = self.layer_map.layer_of[p_index]
+            rank[layer] = min(rank[layer], seq)
+        # Layers never seen keep their registration-based position.
+        unseen = rank == np.iinfo(np.int64).max
+        rank[unseen] = len(self._grad_seq) + np.arange(n)[unseen]
+        self._backward_rank = rank
+        for h in self._order_hooks:
+            h.remove()
+        self._order_hooks = []
+        self._grad_seq = []
+
+    def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        # [per-layer squared norms..., loss, loss scale]: one vector, one transfer.
+        layer_sq = self._stats.layer_sq_norms(inv_scale)
+        dev, dt = layer_sq.device, layer_sq.dtype
+        nan = torch.full((1,), math.nan, dtype=dt, device=dev)
+        loss = self._loss
+        reported = loss is not None
+        self._loss = None
+        scale = self.scaler._scale if self.scaler is not None else None
+        vec = torch.cat([
+            layer_sq,
+            loss.to(dev, dt, non_blocking=True).reshape(1) if reported else nan,
+            scale.to(dev, dt, non_blocking=True).reshape(1) if scale is not None else nan,
+        ])
+        if self._dist and self.world_size > 1:
+            vec = self._all_reduce(vec)
+        return vec, reported
+
+    def _all_reduce(self, vec: torch.Tensor) -> torch.Tensor:
+        from earlywarn.capture.distributed import reduce_stats
+
+        return reduce_stats(vec, self.layer_map, self.world_size)
+
+    def _batch(self) -> Any:
+        return self.recovery.last_batch()
+
+    def _begin(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, _Tag]:
+        self._settle_backward_order()
+        vec, reported = self._device_vector(inv_scale)
+        tag = _Tag(self._step, self._batch(), reported)
+        self._step += 1
+        return vec, tag
+
+    def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._detached:
+            return self._orig_step(*args, **kwargs)
+        if self._scaler_observed is not None:
+            # The scaler wrapper already observed (and decided) this step.
+            skip = self._scaler_observed[0]
+            self._scaler_observed = None
+            return None if skip else self._orig_step(*args, **kwargs)
+        opt = self.optimizer
+        grad_scale = getattr(opt, "grad_scale", None)  # set by GradScaler for fused optimizers
+        inv_scale = grad_scale.double().reciprocal() if isinstance(grad_scale, torch.Tensor) else None
+        vec, tag = self._begin(inv_scale)
+
+        if self._fused:
+            finite = torch.isfinite(vec[:-2].sum())
+            found = (~finite).to(torch.float32)
+            prior = getattr(opt, "found_inf", None)
+            if isinstance(prior, torch.Tensor):
+                found = torch.maximum(found, prior.to(found.device, torch.float32))
+            if self.mode == "async":
+                return self._fused_step(found, prior, vec, tag, args, kwargs)
+            host = self._read_now(vec, tag)
+            decision = self._decide(host, tag)
+            if decision.skip:
+                found = torch.ones_like(found)
+            if decision.rewind:
+                self._run_rewind_or_repair(tag, decision)
+                return None
+            ret = self._fused_call(found, prior, args, kwargs)
+            self._after_step(tag, decision)
+            return ret
+
+        host = self._read_now(vec, tag)
+        decision = self._decide(host, tag)
+        if decision.rewind:
+            self._run_rewind_or_repair(tag, decision)
+            return None
+        ret = None if decision.skip else self._orig_step(*args, **kwargs)
+        self._after_step(tag, decision)
+        return ret
+
+    def _fused_call(self, found: torch.Tensor, prior: Any, args: Any, kwargs: Any) -> Any:
+        opt = self.optimizer
+        opt.found_inf = found  # type: ignore[attr-defined]
+        try:
+            return self._orig_step(*args, **kwargs)
+        finally:
+            if prior is None:
+                del opt.found_inf
+            else:
+                opt.found_inf = prior  # type: ignore[attr-defined]
+
+    def _fused_step(self, found: torch.Tensor, prior: Any, vec: torch.Tensor, tag: _Tag, args: Any, kwargs: Any) -> Any:
+        # Async: the kernel skips on the device; the host sees this step one step late.
+        ret = self._fused_call(found, prior, args, kwargs)
+        ready = self._reader.push(vec, tag)
+        if ready is not None:
+            self._process(*ready)
+        return ret
+
+    def _guarded_scaler_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._detached or optimizer is not self.optimizer or self._fused:
+            # Fused optimizers: the scaler hands grad_scale/found_inf to step(), which we guard.
+            return self._orig_scaler_step(optimizer, *args, **kwargs)
+        scaler = self.scaler
+        assert scaler is not None
+        from torch.amp.grad_scaler import OptState
+
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            scaler.unscale_(optimizer)  # what scaler.step would do first; grads are now unscaled
+        vec, tag = self._begin(None)
+        host = self._read_now(vec, tag)
+        decision = self._decide(host, tag)
+        if decision.rewind:
+            self._run_rewind_or_repair(tag, decision)
+            self._scaler_observed = (True,)
+        else:
+            # The scaler skips overflow steps itself (and never calls step()); we skip spikes too.
+            self._scaler_observed = (decision.skip,)
+        try:
+            return self._orig_scaler_step(optimizer, *args, **kwargs)
+        finally:
+            self._scaler_observed = None
+            if not decision.rewind:
+                self._after_step(tag, decision)
+
+    # ------------------------------------------------------------------ host side
+    def _read_now(self, vec: torch.Tensor, tag: _Tag) -> np.ndarray:
+        host, _ = self._reader.push(vec, tag)  # the step's one batched host read
+        if not math.isfinite(float(host[:-2].sum())):
+            # Rare path (a bad step): a second pass for exact per-layer element counts.
+            tag.counts = self._stats.layer_nonfinite_counts().cpu().numpy()
+        return host
+
+    def _observation(self, host: np.ndarray, tag: _Tag) -> Observation:
+        layer_sq = host[:-2]
+        layer_norms = np.sqrt(layer_sq)
+        total = float(np.sqrt(layer_sq.sum()))
+        nonfinite = tag.counts if tag.counts is not None else (~np.isfinite(layer_sq)).astype(np.float64)
+        extras = {"loss_scale": float(host[-1])} if self.scaler is not None else {}
+        loss = float(host[-2]) if tag.loss_reported else None
+        return Observation(step=tag.step, grad_norm=total, layer_norms=layer_norms, loss=loss,
+                           layer_nonfinite=nonfinite, skipped=not math.isfinite(total),
+                           batch=_batch_index(tag.batch), extras=extras)
+
+    def _decide(self, host: np.ndarray, tag: _Tag) -> "_Decision":
+        obs = self._observation(host, tag)
+        alerts = self.detector.observe(obs)
+        actions = set(self.policy.decide(tag.step, alerts))
+        nonfinite = not obs.grad_finite
+        decision = _Decision(obs=obs, alerts=alerts, actions=actions,
+                             skip=nonfinite or Action.SKIP in actions,
+                             rewind=Action.REWIND in actions, nonfinite=nonfinite)
+        for alert in alerts:
+            self._emit(alert)
+        if Action.HALT in actions:
+            self._halt(tag, f"policy halted the run at step {tag.step} after {self.counters['rewinds']} rewinds")
+        if Action.CHECKPOINT in actions:
+            # Before this step's update is applied: the run is still clean now.
+            path = self.recovery.checkpoint(tag.step, reason="warning")
+            if path:
+                self.counters["checkpoints"] += 1
+                for sink in self.sinks:
+                    _safe(sink, "checkpoint", tag.step, path, "warning")
+        return decision
+
+    def _after_step(self, tag: _Tag, decision: "_Decision") -> None:
+        obs = decision.obs
+        if decision.skip:
+            self.counters["skipped_steps"] += 1
+            self._emit_skip(tag, decision)
+        if decision.nonfinite:
+            self.counters["nonfinite_steps"] += 1
+        if decision.alerts:
+            self._last_alert_step = tag.step
+            if self._incident_start is None:
+                self._incident_start = (tag.step, tag.batch)
+        elif self._last_alert_step is not None and tag.step - self._last_alert_step > self.recovery.config.clean_window:
+            self._incident_start = None
+        self.counters["steps"] = self._step
+        self._log_metrics(tag.step, obs)
+        clean = self._last_alert_step is None or tag.step - self._last_alert_step > self.recovery.config.clean_window
+        self.recovery.after_step(tag.step, clean=clean and not decision.skip)
+
+    def _process(self, host: np.ndarray, tag: _Tag) -> None:
+        """Async mode: a step's vector arrived a step late; the device already skipped if needed."""
+        decision = self._decide(host, tag)
+        if decision.rewind:
+            self._run_rewind_or_repair(tag, decision)
+            return
+        self._after_step(tag, decision)
+
+    def _run_rewind_or_repair(self, tag: _Tag, decision: "_Decision") -> None:
+        # Poisoned optimizer state with finite params: repair in place and keep the progress.
+        # Anything else (params non-finite, a divergence): rewind to the last clean state.
+        self.counters["nonfinite_steps"] += int(decision.nonfinite)
+        scan = self.recovery.scan()
+        if scan.state_poisoned and not scan.params_poisoned and decision.nonfinite:
+            self.recovery.repair(tag.step, scan=scan)
+            self.counters["repaired_steps"] += 1
+            self.counters["skipped_steps"] += 1
+            self._emit_skip(tag, decision)
+        else:
+            try:
+                self.recovery.rewind(tag.step, reason=_reason(decision), blame=self._blame(tag, decision))
+            except Halt as exc:
+                self._halt(tag, str(exc), cause=exc)
+            self.counters["rewinds"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.counters["steps"] = self._step
+        self._log_metrics(tag.step, decision.obs)
+
+    def _blame(self, tag: _Tag, decision: "_Decision") -> dict[str, Any]:
+        first_step, first_batch = self._incident_start or (tag.step, tag.batch)
+        layer = None
+        for alert in decision.alerts:
+            if alert.layer:
+                layer = alert.layer
+                break
+        return {"step": tag.step, "batch": tag.batch, "first_alert_step": first_step,
+                "first_alert_batch": first_batch, "layer": layer}
+
+    def _halt(self, tag: _Tag, message: str, cause: BaseException | None = None) -> None:
+        event = Event(step=tag.step, kind=Kind.HALT, level=Level.CRITICAL, message=message, batch=_batch_index(tag.batch))
+        self._emit(event)
+        self.flush()
+        raise Halt(message) from cause
+
+    def _emit_skip(self, tag: _Tag, decision: "_Decision") -> None:
+        obs = decision.obs
+        bad = self._bad_layers(obs)
+        where = f"from batch {_describe_batch(tag.batch)}" if tag.batch is not None else ""
+        if bad:
+            count = int(np.nansum(obs.layer_nonfinite)) if obs.layer_nonfinite is not None else 0
+            what = f"non-finite gradient in {bad[0]!r} (first in backward order; {len(bad)} layer(s)"
+            what += f", {count} element(s))" if tag.counts is not None else ")"
+        else:
+            what = "gradient spike"
+        if self.scaler is not None and decision.nonfinite:
+            action = "GradScaler skipped the step (loss-scale overflow or bad batch)"
+        else:
+            action = "optimizer step skipped: params and optimizer state untouched"
+        msg = f"{what} {where}: {action}".replace("  ", " ")
+        self._emit(Event(step=tag.step, kind=Kind.SKIP, level=Level.CRITICAL if decision.nonfinite else Level.WARNING,
+                         message=msg, signal="grad_norm", layers=tuple(bad),
+                         values={"grad_norm": obs.grad_norm if obs.grad_norm is not None else math.nan},
+                         batch=_batch_index(tag.batch)))
+
+    def _bad_layers(self, obs: Observation) -> list[str]:
+        if obs.layer_nonfinite is None:
+            return []
+        idx = np.flatnonzero(np.asarray(obs.layer_nonfinite) > 0)
+        if self._backward_rank is not None:
+            idx = idx[np.argsort(self._backward_rank[idx], kind="stable")]
+        return [self.layer_names[i] for i in idx]
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+        if event.kind in (Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
+                          Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW):
+            self.counters[f"alerts_{event.level}"] = self.counters.get(f"alerts_{event.level}", 0) + 1
+        for sink in self.sinks:
+            _safe(sink, "alert", event)
+
+    def _log_metrics(self, step: int, obs: Observation) -> None:
+        if not self.sinks:
+            return
+        metrics = build_metrics(
+            step, grad_norm=obs.grad_norm, loss=obs.loss, layer_names=self.layer_names,
+            layer_norms=obs.layer_norms, score=self.detector.score, level=int(self.detector.level),
+            counters=self.counters, config=self.metrics_config,
+        )
+        for sink in self.sinks:
+            _safe(sink, "log_metrics", step, metrics)
+
+
+class _Counters:
+    """Lets checkpoints carry the watcher's counters and step (state_dict protocol)."""
+
+    def __init__(self, watcher: Watcher):
+        self._w = watcher
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._w._step, "counters": dict(self._w.counters)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # The step counter stays monotonic across a rewind (trackers drop lower steps).
+        self._w.counters.update({k: v for k, v in state["counters"].items() if k not in self._w.counters})
+
+
+@dataclass
+class _Decision:
+    obs: Observation
+    alerts: list[Event]
+    actions: set
+    skip: bool
+    rewind: bool
+    nonfinite: bool
+
+
+def _reason(decision: _Decision) -> str:
+    worst = max(decision.alerts, key=lambda e: e.level, default=None)
+    return str(worst.kind) if worst is not None else "policy"
+
+
+def _batch_index(batch: Any) -> int | None:
+    if batch is None:
+        return None
+    if isinstance(batch, int):
+        return batch
+    return getattr(batch, "batch_index", None)
+
+
+def _describe_batch(batch: Any) -> str:
+    if hasattr(batch, "describe"):
+        return batch.describe()
+    return str(batch)
+
+
+def _safe(sink: Sink, method: str, *args: Any) -> None:
+    try:
+        getattr(sink, method)(*args)
+    except Exception as exc:  # a tracker must never kill training
+        warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {exc}")
+
+
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(WatchConfig))
+
+
+def watch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scaler: "torch.amp.GradScaler | None" = None,
+    loader: Any = None,
+    scheduler: Any = None,
+    extra_state: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Watcher:
+    """Guard ``optimizer`` (which updates ``model``'s parameters). Your loop stays as it is.
+
+    ``scaler``: the run's GradScaler (fp16), so overflow steps it skips are still observed.
+    ``loader``: an :class:`earlywarn.ResumableLoader` or torchdata ``StatefulDataLoader``, so
+    incidents name the batch and a rewind can skip exactly the batches that followed.
+    ``scheduler``: the LR scheduler, restored on rewind. ``extra_state``: more objects with
+    ``state_dict``/``load_state_dict`` to snapshot. ``options``: fields of :class:`WatchConfig`.
+    """
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"earlywarn.watch() got unknown option(s) {', '.join(unknown)}; valid options: {', '.join(_OPTION_NAMES)}")
+    config = WatchConfig(**options)
+    return Watcher(model, optimizer, config, scaler=scaler, loader=loader, scheduler=scheduler, extra_state=extra_state)

@@ -1,0 +1,332 @@
+"""The gradient guard: statistics on the device, skip before the moments are written, one line."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import earlywarn
+from earlywarn.events import Kind
+
+torch.set_num_threads(1)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
+
+
+OPTIMIZERS = {
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(n)]
+
+
+def inject_inf(model: MLP) -> None:
+    # One inf in one coordinate of one gradient: the seed's fault.
+    model.hidden.weight.grad[3, 5] = float("inf")
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[dict]]:
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()} for p in model.parameters()]
+    return params, state
+
+
+def assert_bit_identical(a, b) -> None:
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    for sa, sb in zip(a[1], b[1]):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                assert torch.equal(sa[k], sb[k]), k
+            else:
+                assert sa[k] == sb[k], k
+
+
+def all_finite(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def test_without_earlywarn_one_inf_poisons_the_run():
+    # The failure we exist for: loss fine at t, NaN at t+1, every parameter NaN soon after.
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i, (x, y) in enumerate(batches(6)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        if i == 2:
+            inject_inf(model)
+        opt.step()
+    assert all(math.isfinite(v) for v in losses[:3])
+    assert math.isnan(losses[3])
+    assert all(bool(torch.isnan(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_skip_leaves_params_and_state_bit_identical(name):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS[name](model.parameters())
+    ew = earlywarn.watch(model, opt, sinks=[])
+    for i, (x, y) in enumerate(batches(8)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        if i == 4:
+            inject_inf(model)
+            before = snapshot(model, opt)
+            opt.step()
+            assert_bit_identical(before, snapshot(model, opt))
+        else:
+            opt.step()
+        assert all_finite(model, opt)
+    skips = [e for e in ew.events if e.kind is Kind.SKIP]
+    assert len(skips) == 1 and skips[0].step == 4
+    assert skips[0].layers[0] == "hidden"  # first non-finite layer in backward order
+    assert "step" not in opt.__dict__ or opt.__dict__["step"] == ew._guarded_step
+    ew.close()
+
+
+def test_gradscaler_run_skips_and_still_observes_overflow_steps():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ew = earlywarn.watch(model, opt, scaler=scaler, sinks=[])
+    for i, (x, y) in enumerate(batches(6)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        scaler.scale(loss).backward()
+        if i == 3:
+            inject_inf(model)
+            before = snapshot(model, opt)
+        scaler.step(opt)
+        scaler.update()
+        if i == 3:
+            assert_bit_identical(before, snapshot(model, opt))
+    # The scaler never called optimizer.step() at step 3, yet every step was observed.
+    assert ew.step == 6
+    assert [e.step for e in ew.events if e.kind is Kind.SKIP] == [3]
+    assert all_finite(model, opt)
+    ew.close()
+
+
+def test_gradscaler_with_fused_adamw_sees_unscaled_norms():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    ew = earlywarn.watch(model, opt, scaler=scaler, sinks=[])
+    seen = []
+    orig = ew.detector.observe
+    ew.detector.observe = lambda obs: (seen.append(obs), orig(obs))[1]
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(ref(x), y).backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert seen[0].grad_norm == pytest.approx(expected, rel=1e-5)
+    assert seen[0].extras["loss_scale"] == 2.0**12
+    ew.close()
+
+
+def test_per_layer_norms_match_reference_and_layers_follow_modules():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    seen = []
+    orig = ew.detector.observe
+    ew.detector.observe = lambda obs: (seen.append(obs), orig(obs))[1]
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    ref = {name: torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in mod.parameters()])).item()
+           for name, mod in (("inp", model.inp), ("hidden", model.hidden), ("out", model.out))}
+    opt.step()
+    got = dict(zip(ew.layer_names, seen[0].layer_norms))
+    assert set(got) == {"inp", "hidden", "out"}
+    for k in ref:
+        assert got[k] == pytest.approx(ref[k], rel=1e-6)
+    assert seen[0].grad_norm == pytest.approx(math.sqrt(sum(v * v for v in ref.values())), rel=1e-6)
+    ew.close()
+
+
+def test_grouping_by_depth_and_by_function():
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ew = earlywarn.watch(model, opt, group_by="depth:1", sinks=[])
+    assert sorted(ew.layer_names) == ["0", "1"]
+    ew.detach()
+    ew = earlywarn.watch(model, opt, group_by=lambda n: "bias" if n.endswith("bias") else "weight", sinks=[])
+    assert sorted(ew.layer_names) == ["bias", "weight"]
+    ew.detach()
+    with pytest.raises(ValueError, match="group_by"):
+        earlywarn.watch(model, opt, group_by="depth:x", sinks=[])
+
+
+def test_gradient_accumulation_observes_each_optimizer_step_once():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    data = batches(12)
+    for i in range(0, 12, 4):
+        opt.zero_grad()
+        for x, y in data[i : i + 4]:
+            (nn.functional.mse_loss(model(x), y) / 4).backward()
+        opt.step()
+    assert ew.step == 3
+    ew.close()
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operations that make the host wait for a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("_local_scalar_dense", "is_nonzero", "equal", "item"):
+            self.count += 1
+        elif name in ("_to_copy", "copy_"):
+            src = args[1] if name == "copy_" else args[0]
+            dst_cpu = (kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu") if name == "_to_copy" else args[0].device.type == "cpu"
+            if torch.is_tensor(src) and src.device.type != "cpu" and dst_cpu:
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+def _host_reads_per_step(watched: bool, per_param_item: bool = False) -> int:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ew = earlywarn.watch(model, opt, sinks=[]) if watched else None
+    x, y = batches(1)[0]
+    for _ in range(2):  # warm: the first step builds optimizer state
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    with HostReads() as reads:
+        if ew is not None:
+            ew.report_loss(loss)
+        if per_param_item:  # what Composer's OptimizerMonitor does: one sync per parameter
+            _ = [p.grad.norm().item() for p in model.parameters()]
+        opt.step()
+    if ew is not None:
+        ew.close()
+    return reads.count
+
+
+def test_host_read_budget_one_batched_read_per_step():
+    bare = _host_reads_per_step(watched=False)
+    guarded = _host_reads_per_step(watched=True)
+    assert guarded - bare <= 1
+    # The counter is real: a per-parameter .item() loop blows the budget.
+    naive = _host_reads_per_step(watched=True, per_param_item=True)
+    assert naive - bare > 1
+
+
+def test_async_mode_skips_on_device_and_reports_one_step_late():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ew = earlywarn.watch(model, opt, mode="async", sinks=[])
+    assert ew.mode == "async"
+    for i, (x, y) in enumerate(batches(5)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        if i == 2:
+            inject_inf(model)
+            before = snapshot(model, opt)
+        opt.step()
+        if i == 2:
+            assert_bit_identical(before, snapshot(model, opt))
+            assert not [e for e in ew.events if e.kind is Kind.SKIP]  # not read yet: one step late
+        if i == 3:
+            assert [e.step for e in ew.events if e.kind is Kind.SKIP] == [2]
+    assert all_finite(model, opt)
+    ew.close()
+
+
+def test_async_mode_needs_a_fused_optimizer():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="fused=True"):
+        earlywarn.watch(model, opt, mode="async", sinks=[])
+
+
+def test_detach_restores_the_optimizer_exactly():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = dict(opt.__dict__)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    assert opt.step == ew._guarded_step
+    ew.detach()
+    ew.detach()  # idempotent
+    assert opt.__dict__.keys() == before.keys()
+    assert opt.step.__func__ is type(opt).step
+    # and it can be watched again
+    earlywarn.watch(model, opt, sinks=[]).detach()
+
+
+def test_bad_input_errors_name_the_fix():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    with pytest.raises(RuntimeError, match="already watched.*detach"):
+        earlywarn.watch(model, opt, sinks=[])
+    ew.detach()
+    other = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="not in the model"):
+        earlywarn.watch(model, torch.optim.SGD(other.parameters(), lr=0.1), sinks=[])
+    frozen = MLP().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        earlywarn.watch(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), sinks=[])
+    with pytest.raises(TypeError, match="unknown option.*valid options"):
+        earlywarn.watch(model, opt, sinkz=[])
+    with pytest.raises(ValueError, match="mode="):
+        earlywarn.watch(model, opt, mode="fast", sinks=[])
+    with pytest.raises(ValueError, match="scalar loss"):
+        w = earlywarn.watch(model, opt, sinks=[])
+        try:
+            w.report_loss(torch.ones(3))
+        finally:
+            w.detach()
