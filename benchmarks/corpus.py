@@ -75,6 +75,23 @@ def run_specs() -> list[RunSpec]:
     # The same high LRs with clipping at 1.0 and beta2 0.95: slower, partly recovering divergences.
     for lr in (0.3, 1.0, 3.0):
         specs.append(RunSpec(f"sweep_clip_lr{lr:g}_wu150", "sweep", lr, 150, seed=3, steps=300))
+    # More seeds and shapes of the diverging end of the sweep (the events the benchmark scores).
+    for lr in (0.5, 1.0, 2.0):
+        for warmup in (150, 300):
+            for seed in (4, 5):
+                specs.append(RunSpec(f"sweep_lr{lr:g}_wu{warmup}_s{seed}", "sweep", lr, warmup,
+                                     seed=seed, steps=400, clip=0.0, beta2=0.99))
+    for lr in (0.7, 1.5):
+        for seed in (6, 7):
+            specs.append(RunSpec(f"sweep_qkz_lr{lr:g}_wu200_s{seed}", "sweep", lr, 200, qk_norm=True,
+                                 z_loss=1e-4, seed=seed, steps=400, clip=0.0, beta2=0.99))
+    for lr in (2.0, 5.0):
+        for seed in (8, 9):
+            specs.append(RunSpec(f"sweep_clip_lr{lr:g}_wu200_s{seed}", "sweep", lr, 200, seed=seed,
+                                 steps=400))
+    for lr in (1.0, 2.0):
+        specs.append(RunSpec(f"sweep_deep_lr{lr:g}_wu200", "sweep", lr, 200, seed=12, n_layer=3,
+                             steps=400, clip=0.0, beta2=0.99))
     # One bad batch (random bytes, or one repeated byte, its loss scaled up as an unmasked or
     # mis-weighted batch would be), at modest and aggressive LRs.
     for i, (lr, kind, scale, clip) in enumerate(

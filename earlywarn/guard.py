@@ -141,6 +141,13 @@ class Watcher:
         self._dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if self._dist else 0
         self.world_size = torch.distributed.get_world_size() if self._dist else 1
+        # One all-reduce per step at most, so every rank feeds the detector the same vector
+        # (capture/distributed.py says when it is needed: sharded grads, or a reported loss).
+        self._reducer = None
+        if self._dist and self.world_size > 1:
+            from earlywarn.capture.distributed import StatsReducer
+
+            self._reducer = StatsReducer(self.layer_map, self.world_size)
 
         self.detector = StreamingDetector(config.detector, self.layer_names, baseline=config.baseline)
         self.policy = Policy(config.policy or PolicyConfig())
@@ -165,6 +172,8 @@ class Watcher:
         self.recovery = Recovery(
             model, optimizer, config.recovery or RecoveryConfig(),
             scheduler=scheduler, scaler=self.scaler, loader=loader, extra_state=extra, emit=self._emit,
+            # A rewind restores the model and the detector, not the policy's rewind budget or our counters.
+            keep_on_rewind=("earlywarn_policy", "earlywarn_watcher"),
         )
 
         # Record the real backward order once (first backward), to name the first bad layer.
@@ -311,14 +320,13 @@ class Watcher:
             loss.to(dev, dt, non_blocking=True).reshape(1) if reported else nan,
             scale.to(dev, dt, non_blocking=True).reshape(1) if scale is not None else nan,
         ])
-        if self._dist and self.world_size > 1:
-            vec = self._all_reduce(vec)
+        if self._reducer is not None:
+            vec = self._all_reduce(vec, reported)
         return vec, reported
 
-    def _all_reduce(self, vec: torch.Tensor) -> torch.Tensor:
-        from earlywarn.capture.distributed import reduce_stats
-
-        return reduce_stats(vec, self.layer_map, self.world_size)
+    def _all_reduce(self, vec: torch.Tensor, reported: bool) -> torch.Tensor:
+        assert self._reducer is not None
+        return self._reducer.reduce(vec, loss_reported=reported)
 
     def _batch(self) -> Any:
         return self.recovery.last_batch()
@@ -421,7 +429,10 @@ class Watcher:
         host, _ = self._reader.push(vec, tag)  # the step's one batched host read
         if not math.isfinite(float(host[:-2].sum())):
             # Rare path (a bad step): a second pass for exact per-layer element counts.
-            tag.counts = self._stats.layer_nonfinite_counts().cpu().numpy()
+            counts = self._stats.layer_nonfinite_counts()
+            if self._reducer is not None:  # every rank is on this path (same vector): matched collective
+                counts = self._reducer.reduce_counts(counts, loss_reported=tag.loss_reported)
+            tag.counts = counts.cpu().numpy()
         return host
 
     def _observation(self, host: np.ndarray, tag: _Tag) -> Observation:
@@ -465,7 +476,8 @@ class Watcher:
             self.counters["nonfinite_steps"] += 1
         if decision.alerts:
             self._last_alert_step = tag.step
-            if self._incident_start is None:
+            # An episode starts at its first warning-or-worse alert (info spikes do not count).
+            if self._incident_start is None and any(a.level >= Level.WARNING for a in decision.alerts):
                 self._incident_start = (tag.step, tag.batch)
         elif self._last_alert_step is not None and tag.step - self._last_alert_step > self.recovery.config.clean_window:
             self._incident_start = None
@@ -494,7 +506,7 @@ class Watcher:
             self._emit_skip(tag, decision)
         else:
             try:
-                self.recovery.rewind(tag.step, reason=_reason(decision), blame=self._blame(tag, decision))
+                self.recovery.rewind(tag.step, reason=_reason(decision), blame=self._blame(tag, decision, scan))
             except Halt as exc:
                 self._halt(tag, str(exc), cause=exc)
             self.counters["rewinds"] += 1
@@ -502,15 +514,27 @@ class Watcher:
         self.counters["steps"] = self._step
         self._log_metrics(tag.step, decision.obs)
 
-    def _blame(self, tag: _Tag, decision: "_Decision") -> dict[str, Any]:
-        first_step, first_batch = self._incident_start or (tag.step, tag.batch)
-        layer = None
-        for alert in decision.alerts:
-            if alert.layer:
-                layer = alert.layer
-                break
-        return {"step": tag.step, "batch": tag.batch, "first_alert_step": first_step,
-                "first_alert_batch": first_batch, "layer": layer}
+    def _blame(self, tag: _Tag, decision: "_Decision", scan: Any) -> Any:
+        """Who is responsible: the step where the episode's first warning fired; else, when the
+        symptom is a non-finite loss or poisoned parameters, the last step that was applied
+        (its update wrote the damage); else this step's own batch."""
+        kinds = {a.kind for a in decision.alerts}
+        layer = next((a.layer for a in decision.alerts if a.layer), None) or scan.first_layer
+        if Kind.LOSS_NONFINITE in kinds:
+            symptom = "the loss turned NaN" if decision.obs.loss is not None and math.isnan(decision.obs.loss) else "the loss turned non-finite"
+        elif Kind.LOSS_DIVERGED in kinds:
+            symptom = "the loss diverged"
+        elif decision.nonfinite:
+            symptom = "gradients turned non-finite"
+        else:
+            symptom = "the incident"
+        if self._incident_start is not None and self._incident_start[0] < tag.step:
+            responsible = self._incident_start[0]
+        elif scan.params_poisoned or Kind.LOSS_NONFINITE in kinds:
+            responsible = max(tag.step - 1, 0)
+        else:
+            responsible = tag.step
+        return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step)
 
     def _halt(self, tag: _Tag, message: str, cause: BaseException | None = None) -> None:
         event = Event(step=tag.step, kind=Kind.HALT, level=Level.CRITICAL, message=message, batch=_batch_index(tag.batch))
@@ -521,7 +545,7 @@ class Watcher:
     def _emit_skip(self, tag: _Tag, decision: "_Decision") -> None:
         obs = decision.obs
         bad = self._bad_layers(obs)
-        where = f"from batch {_describe_batch(tag.batch)}" if tag.batch is not None else ""
+        where = f"from {_describe_batch(tag.batch)}" if tag.batch is not None else ""
         if bad:
             count = int(np.nansum(obs.layer_nonfinite)) if obs.layer_nonfinite is not None else 0
             what = f"non-finite gradient in {bad[0]!r} (first in backward order; {len(bad)} layer(s)"
@@ -604,8 +628,8 @@ def _batch_index(batch: Any) -> int | None:
 
 
 def _describe_batch(batch: Any) -> str:
-    if hasattr(batch, "describe"):
-        return batch.describe()
+    if isinstance(batch, int):
+        return f"batch {batch}"
     return str(batch)
 
 

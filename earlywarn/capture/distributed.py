@@ -1,0 +1,111 @@
+"""Making the per-step statistics vector identical on every rank, with at most one collective.
+
+The watcher's vector is ``[layer_sq..., loss, loss_scale]``. Every rank feeds it to the same
+deterministic detector and policy, so every rank takes the same decision (skip, repair, rewind,
+halt) if and only if every rank holds the same vector. A rank-local decision hangs or poisons
+the run: one rank skips while the others step (mmf#1073), or one rank's spike goes unnoticed
+and the next all-reduce spreads it (WeatherGenerator#2724).
+
+Two layouts of the gradients:
+
+* **Replicated (DDP).** After ``backward()`` DDP has already averaged the gradients: every rank
+  holds the same values, so the layer norms are the same everywhere without a collective. Only
+  the reported loss is rank-local. When no loss is reported, nothing is exchanged (zero
+  collectives). When a loss is reported, the whole vector goes through **one** SUM all-reduce
+  and is divided by the world size: the detector sees the mean loss over ranks (the global-batch
+  loss for equal per-rank batches) and the layer norms are unchanged -- except that a gradient
+  made non-finite on one rank only *after* DDP's reduction (a hardware fault) now turns the
+  vector non-finite on every rank, so all of them skip.
+* **Sharded (FSDP2 ``fully_shard``, DTensor gradients).** Each rank computes squared norms of its
+  *local* shards (``GradStats`` weights every tensor by the share of the world that holds a copy
+  of it, so that the sum over ranks is exact), and **one** SUM all-reduce of the whole vector per
+  step gives the global per-layer squared norms. A non-finite value in any rank's shard makes the
+  summed entry non-finite on every rank. No per-parameter collective is ever issued.
+
+The rule that follows: call ``report_loss`` on every rank or on none (as with ``backward()``,
+a collective that only some ranks enter waits until the process group's timeout).
+
+Assumed: every rank of the default process group trains the same model (data parallel, FSDP2,
+HSDP, tensor parallel with DTensors). Not supported: FSDP1 (its gradients are plain-tensor
+shards, indistinguishable from replicated ones), pipeline stages with different layers (the
+vectors differ in length), ranks that train unrelated models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from earlywarn.capture.gradstats import is_sharded
+from earlywarn.capture.grouping import LayerMap
+
+
+class StatsReducer:
+    """Turns one rank's statistics vector into the vector every rank agrees on.
+
+    Build once per watcher (the layout of the gradients does not change during a run); call
+    :meth:`reduce` once per optimizer step on every rank.
+    """
+
+    def __init__(self, layer_map: LayerMap, world_size: int, group: "torch.distributed.ProcessGroup | None" = None):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1")
+        self.layer_map = layer_map
+        self.world_size = int(world_size)
+        self.group = group
+        self.sharded = is_sharded(layer_map.params)
+        self.collectives = 0  # issued so far (tests and benchmarks read it)
+        self._post: torch.Tensor | None = None
+
+    def needs_collective(self, loss_reported: bool) -> bool:
+        """Whether this step's vector must be exchanged (identical on every rank by the rule above)."""
+        if self.world_size == 1:
+            return False
+        return self.sharded or loss_reported
+
+    def _post_scale(self, vec: torch.Tensor) -> torch.Tensor:
+        # After the SUM: sharded layer entries are already exact sums; replicated entries (DDP
+        # layers, the loss, the loss scale) are means over ranks.
+        if self._post is None or self._post.device != vec.device or self._post.dtype != vec.dtype:
+            post = torch.full(vec.shape, 1.0 / self.world_size, dtype=vec.dtype)
+            if self.sharded:
+                post[: self.layer_map.num_layers] = 1.0
+            self._post = post.to(vec.device)
+        return self._post
+
+    def reduce(self, vec: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:
+        """``[layer_sq..., loss, loss_scale]`` of this rank -> the same vector on every rank.
+
+        At most one all-reduce, issued on the vector's device without a host sync.
+        """
+        expected = self.layer_map.num_layers + 2
+        if vec.shape != (expected,):
+            raise ValueError(f"statistics vector has shape {tuple(vec.shape)}, expected ({expected},): [layer_sq..., loss, loss_scale]")
+        if not self.needs_collective(loss_reported):
+            return vec
+        out = vec.clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        self.collectives += 1
+        return out.mul_(self._post_scale(out))
+
+    def reduce_counts(self, counts: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:
+        """Per-layer non-finite element counts (the rare second pass on a bad step) made global.
+
+        Every rank takes that pass together (it follows from the agreed vector), so this extra
+        collective is matched on every rank; it happens only on non-finite steps.
+        """
+        if not self.needs_collective(loss_reported):
+            return counts
+        out = counts.clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        self.collectives += 1
+        if not self.sharded:
+            out.div_(self.world_size)
+        # Whole counts; a fraction means the replicas disagree (one rank's copy was corrupted
+        # after the reduction): that element still counts.
+        nearest = out.round()
+        return torch.where((out - nearest).abs() < 1e-6, nearest, out.ceil())
+
+
+def reduce_stats(vec: torch.Tensor, layer_map: LayerMap, world_size: int, *, loss_reported: bool = True) -> torch.Tensor:
+    """One-shot form of :meth:`StatsReducer.reduce` (the watcher keeps a reducer instead)."""
+    return StatsReducer(layer_map, world_size).reduce(vec, loss_reported=loss_reported)

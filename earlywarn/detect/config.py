@@ -1,0 +1,206 @@
+"""Configuration of the streaming detector: one dataclass, validated, JSON round-trip."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass
+class DetectorConfig:
+    """Thresholds of :class:`earlywarn.detect.Detector`.
+
+    Every signal (global grad norm, each layer's grad norm, loss, update / param norm) is tracked
+    in log space against its own robust trailing baseline, so one config fits runs whose norms
+    differ by 1e6. Ratios below are ``value / baseline``; ``z`` is the log-deviation divided by
+    the signal's robust scale (an EMA of absolute log-deviations, floored at ``min_scale``).
+    """
+
+    warmup_steps: int = 20
+    """Admitted values a signal needs before it may raise a spike or a warning. Non-finite
+    gradients and losses are reported from step one. A prior baseline (``init(baseline=...)``)
+    makes that signal warm at once."""
+
+    alpha: float = 0.05
+    """EMA rate of the baseline in log space (memory ~1/alpha steps). During warm-up the rate is
+    ``max(alpha, 1/n)``, an exact running mean of the first values."""
+
+    scale_alpha: float = 0.05
+    """EMA rate of the robust scale (mean absolute log-deviation of admitted values)."""
+
+    min_scale: float = 0.05
+    """Floor on the scale of gradient-type signals, in log units (0.05 = 5%). A logger that
+    rounds (llm.c prints the norm with two decimals) can make every deviation 0; without a floor
+    any blip would be an infinite z."""
+
+    loss_min_scale: float = 0.01
+    """Floor on the scale of the loss (1%): a loss moves much less than a gradient norm."""
+
+    prior_scale: float = 0.15
+    """Scale a signal starts with (and keeps while it has no history of its own)."""
+
+    admit_z: float = 3.0
+    """Values enter the baseline winsorised to +-admit_z scales (Huber-style), so an LR warm-up
+    that lowers the norm is followed while one odd value moves the baseline by at most
+    ``alpha * admit_z`` scales. Elevated values (spikes) never enter at all."""
+
+    spike_z: float = 4.0
+    """A signal is *elevated* when ``z >= spike_z`` and its ratio is above its minimum ratio."""
+
+    spike_ratio: float = 1.5
+    """Minimum ratio for a gradient / update / param signal to count as elevated (keeps very
+    steady signals from alarming on tiny moves)."""
+
+    loss_spike_ratio: float = 1.1
+    """Minimum ratio for the loss to count as elevated (losses move little: 10% is a lot)."""
+
+    growth: float = 1.25
+    """Escalation: each consecutive elevated step must exceed the previous ratio by this factor
+    (gradient-type signals)."""
+
+    loss_growth: float = 1.05
+    """Escalation factor per step for the loss."""
+
+    escalate_steps: int = 3
+    """Consecutive elevated, growing steps that make a ``warning`` (BLOOM-176B: 0.95 -> 2.4 -> 16
+    warns at the third; a healthy spike that decays never grows, and a random high step followed
+    by one bad batch is only two)."""
+
+    warn_ratio: float = 2.0
+    """An escalation warns only once the latest ratio is at least this (gradient-type signals)."""
+
+    loss_warn_ratio: float = 1.2
+    """An escalation of the loss warns only once its ratio is at least this."""
+
+    drift_k: float = 1.0
+    """Sustained rise, detected by a one-sided CUSUM per signal: each step adds
+    ``min(z, spike_z) - drift_k`` (floored at 0), so only a run of steps above ``drift_k`` scales
+    accumulates; one spike adds at most ``spike_z - drift_k`` and then drains away."""
+
+    drift_h: float = 3.0
+    """A gradient-type signal (global or update norm) is *drifting* when its CUSUM reaches this."""
+
+    loss_drift_h: float = 6.0
+    """The loss is drifting when its CUSUM reaches this. A gradient norm and the loss drifting up
+    together make a ``warning`` (the lead-up to a divergence); either alone is noise-prone."""
+
+    layer_drift: bool = False
+    """Let a single layer's CUSUM stand for the gradient in the together-with-the-loss rule (more
+    lead when one layer goes first, more false alarms from noisy small layers)."""
+
+    drift_alone_h: float = 40.0
+    """One signal whose CUSUM reaches this makes a ``warning`` on its own: sustained growth (about
+    thirteen consecutive steps at spike level; the healthy llm.c run has an 8-step plateau at
+    1.5x that recovers)."""
+
+    layers_at_once: int = 0
+    """Elevated layers at one step that make a ``warning`` (several layers at once); 0 turns the
+    rule off (the default: in small models, sparse embedding and norm-layer gradients spike
+    together on ordinary batches). Counts layers at or above ``warn_ratio``. Per-layer signals
+    otherwise never warn on their own; they name the layer that moved first."""
+
+    jump_ratio: float = float("inf")
+    """A single step at this ratio or more is a ``warning`` on its own. Off by default: one spiky
+    step (a bad batch reaches 1000x) is not a collapse; escalation is."""
+
+    loss_diverge_ratio: float = 1.5
+    """``critical`` LOSS_DIVERGED when the loss stays at or above this ratio to its baseline ..."""
+
+    loss_diverge_steps: int = 2
+    """... for this many consecutive steps."""
+
+    rearm_steps: int = 10
+    """Calm steps (no signal elevated) after which a new warning episode may start; within an
+    episode a warning is raised once."""
+
+    readapt_steps: int = 100
+    """A signal elevated this many steps in a row without being non-finite is taken as the new
+    normal (its baseline is re-anchored); a warning was raised long before."""
+
+    overflow_steps: int = 8
+    """Consecutive loss-scaler overflow steps after which the overflow is ``critical`` (the scale
+    keeps collapsing instead of recovering)."""
+
+    max_layers_listed: int = 8
+    """How many layers an alert lists (first mover first)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, fix: str) -> None:
+            raise ValueError(f"DetectorConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        for name in ("warmup_steps", "escalate_steps", "loss_diverge_steps",
+                     "rearm_steps", "readapt_steps", "overflow_steps", "max_layers_listed",
+                     "layers_at_once"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, "use an int")
+        for name in ("alpha", "scale_alpha"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0.0 < v <= 1.0):
+                bad(name, "use a rate in (0, 1], e.g. 0.05")
+        for name in ("min_scale", "loss_min_scale", "prior_scale", "admit_z", "spike_z"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                bad(name, "use a finite number > 0")
+        for name in ("drift_h", "loss_drift_h", "drift_alone_h"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0) or math.isnan(v):
+                bad(name, "use a number > 0 (inf turns the rule off)")
+        for name in ("spike_ratio", "loss_spike_ratio", "growth", "loss_growth", "warn_ratio",
+                     "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 1.0) or math.isnan(v):
+                bad(name, "use a ratio >= 1 (value / baseline)")
+        for name in ("escalate_steps", "loss_diverge_steps", "rearm_steps",
+                     "readapt_steps", "overflow_steps"):
+            if getattr(self, name) < 1:
+                bad(name, "use at least 1")
+        if self.warmup_steps < 1:
+            bad("warmup_steps", "use at least 1 (the baseline needs one value)")
+        if self.layers_at_once < 0:
+            bad("layers_at_once", "use 0 (off) or a count of layers >= 1")
+        if self.max_layers_listed < 1:
+            bad("max_layers_listed", "use at least 1")
+        if self.admit_z > self.spike_z:
+            bad("admit_z", f"must not exceed spike_z={self.spike_z} (a spike would move the "
+                           "baseline more than the values just below it)")
+        if not (isinstance(self.drift_k, (int, float)) and math.isfinite(self.drift_k) and self.drift_k >= 0):
+            bad("drift_k", "use a finite number >= 0 (in scales, e.g. 1.0)")
+        if self.readapt_steps <= self.escalate_steps:
+            bad("readapt_steps", f"must exceed escalate_steps={self.escalate_steps}, or an "
+                                 "escalation would be re-anchored before it warns")
+
+    # -- serialisation (used by `earlywarn calibrate`) ------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DetectorConfig":
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"DetectorConfig: unknown field(s) {unknown}; known: {sorted(known)}")
+        kw = {}
+        for k, v in d.items():
+            default = known[k].default
+            if isinstance(default, float) and isinstance(v, (str, int)) and not isinstance(v, bool):
+                v = float(v)  # "inf" from JSON, or an int where a float is meant
+            kw[k] = v
+        return cls(**kw)
+
+    def to_file(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "DetectorConfig":
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON detector config ({e})") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a JSON object of DetectorConfig fields")
+        return cls.from_dict(d)

@@ -1,0 +1,244 @@
+"""Alerts -> actions, with hysteresis, cooldowns and rate limits. Pure Python.
+
+The detector says what is wrong; the policy decides what to do about it, once, and not again every
+step the condition persists. Call :meth:`Policy.decide` on every step (with an empty list when
+the detector raised nothing): the cooldowns count those calls, i.e. steps as the run lives them,
+including steps replayed after a rewind. The actions themselves (saving, skipping, rewinding,
+halting) are carried out by the guard and ``earlywarn.recover``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterable, Mapping
+
+from earlywarn.events import Event, Kind
+
+__all__ = ["Action", "Policy", "PolicyConfig"]
+
+
+class Action(str, enum.Enum):
+    """What the guard should do at this step, least to most drastic."""
+
+    NONE = "none"
+    CHECKPOINT = "checkpoint"
+    SKIP = "skip"
+    REWIND = "rewind"
+    HALT = "halt"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Action | str") -> "Action":
+        if isinstance(value, Action):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            raise ValueError(f"unknown action {value!r}: use one of "
+                             f"{', '.join(a.value for a in cls)}") from None
+
+
+_SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.SKIP: 2, Action.REWIND: 3, Action.HALT: 4}
+
+
+@dataclass
+class PolicyConfig:
+    """How alerts become actions. Counts of steps are counts of :meth:`Policy.decide` calls."""
+
+    on_nonfinite_grad: Action | str = Action.SKIP
+    """NONFINITE_GRAD (critical): skip the step. The guard skips non-finite steps regardless;
+    this keeps the decision visible and counts toward ``rewind_after_nonfinite``."""
+
+    on_collapse_risk: Action | str = Action.CHECKPOINT
+    """COLLAPSE_RISK (warning): save a checkpoint while the weights are still clean, so a later
+    rewind loses little. Subject to ``checkpoint_cooldown``, ``checkpoint_rearm`` and the rate
+    limit."""
+
+    on_loss_nonfinite: Action | str = Action.REWIND
+    """LOSS_NONFINITE (critical): the weights are suspect; rewind to the last clean checkpoint."""
+
+    on_loss_diverged: Action | str = Action.REWIND
+    """LOSS_DIVERGED (critical): a divergence that did not recover; rewind."""
+
+    on_grad_spike: Action | str = Action.NONE
+    """GRAD_SPIKE (info): an isolated spike that already recovered; nothing to do."""
+
+    on_scaler_overflow: Action | str = Action.NONE
+    """SCALER_OVERFLOW (info): the fp16 scaler already skipped the step and lowered its scale."""
+
+    rewind_after_nonfinite: int = 3
+    """Consecutive steps with a non-finite gradient after which skipping is not enough and the
+    policy rewinds (the run, not one batch, is broken). 0 disables."""
+
+    checkpoint_cooldown: int = 200
+    """Minimum steps between two warning checkpoints (a spiky phase must not write one per
+    step)."""
+
+    checkpoint_rearm: int = 50
+    """Hysteresis: after a warning checkpoint, this many steps without any warning must pass
+    before a new warning may checkpoint again, even once the cooldown is over."""
+
+    max_checkpoints: int = 10
+    """At most this many warning checkpoints within ``checkpoint_window`` steps."""
+
+    checkpoint_window: int = 10_000
+    """Window of the checkpoint rate limit, in steps."""
+
+    rewind_cooldown: int = 20
+    """After a rewind, rewind triggers are ignored for this many steps (the restored run needs a
+    few steps before the same condition means something new)."""
+
+    max_rewinds: int = 3
+    """More than this many rewinds within ``rewind_window`` steps halts the run instead: it keeps
+    failing the same way and needs a person (lower LR, inspect data)."""
+
+    rewind_window: int = 2_000
+    """Window of the rewind limit, in steps."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name.startswith("on_"):
+                try:
+                    setattr(self, f.name, Action.parse(getattr(self, f.name)))
+                except ValueError as e:
+                    raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name)!r} is invalid: {e}") from None
+        for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
+                     "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds",
+                     "rewind_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use an int >= 0")
+        for name in ("checkpoint_window", "rewind_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PolicyConfig.{name}={getattr(self, name)!r} is invalid: use a window of >= 1 step")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (v.value if isinstance(v, Action) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"PolicyConfig: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+
+_KIND_FIELD = {
+    Kind.NONFINITE_GRAD: "on_nonfinite_grad",
+    Kind.COLLAPSE_RISK: "on_collapse_risk",
+    Kind.LOSS_NONFINITE: "on_loss_nonfinite",
+    Kind.LOSS_DIVERGED: "on_loss_diverged",
+    Kind.GRAD_SPIKE: "on_grad_spike",
+    Kind.SCALER_OVERFLOW: "on_scaler_overflow",
+}
+
+
+class Policy:
+    """``actions = policy.decide(step, alerts)``; actions most drastic first, ``[]`` for none.
+
+    ``last_reasons`` explains the latest decision (one line per action, and per suppressed one).
+    """
+
+    def __init__(self, cfg: PolicyConfig | None = None):
+        self.cfg = cfg if cfg is not None else PolicyConfig()
+        if not isinstance(self.cfg, PolicyConfig):
+            raise TypeError(f"Policy(cfg=...) wants a PolicyConfig, got {type(cfg).__name__}")
+        self.tick = 0
+        self.nonfinite_streak = 0
+        self.last_checkpoint = -(1 << 60)
+        self.last_warning = -(1 << 60)
+        self.checkpoints: deque[int] = deque()
+        self.last_rewind = -(1 << 60)
+        self.rewinds: deque[int] = deque()
+        self.last_reasons: list[str] = []
+
+    def decide(self, step: int, alerts: Iterable[Event]) -> list[Action]:
+        cfg = self.cfg
+        self.tick += 1
+        t = self.tick
+        reasons: list[str] = []
+        wanted: dict[Action, str] = {}
+
+        def want(action: Action, why: str) -> None:
+            if action is not Action.NONE and action not in wanted:
+                wanted[action] = why
+
+        nonfinite_now = False
+        warned_now = False
+        for a in alerts:
+            field = _KIND_FIELD.get(a.kind)
+            if field is None:
+                continue  # action / outcome events are not the policy's input
+            if a.kind is Kind.NONFINITE_GRAD:
+                nonfinite_now = True
+            if a.kind is Kind.COLLAPSE_RISK:
+                warned_now = True
+            want(getattr(cfg, field), f"{a.kind} ({a.level}) at step {a.step}")
+
+        self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite_now else 0
+        if cfg.rewind_after_nonfinite and self.nonfinite_streak >= cfg.rewind_after_nonfinite:
+            want(Action.REWIND, f"{self.nonfinite_streak} non-finite gradient steps in a row")
+
+        # -- checkpoint: cooldown, hysteresis, rate limit ------------------------------------
+        if Action.CHECKPOINT in wanted:
+            why = wanted.pop(Action.CHECKPOINT)
+            while self.checkpoints and t - self.checkpoints[0] >= cfg.checkpoint_window:
+                self.checkpoints.popleft()
+            quiet = t - self.last_warning - 1  # steps since the previous warning
+            if t - self.last_checkpoint < cfg.checkpoint_cooldown:
+                reasons.append(f"no checkpoint for {why}: cooldown ({t - self.last_checkpoint} < "
+                               f"{cfg.checkpoint_cooldown} steps since the last)")
+            elif self.last_checkpoint > -(1 << 59) and quiet < cfg.checkpoint_rearm and warned_now:
+                reasons.append(f"no checkpoint for {why}: not re-armed ({quiet} quiet steps < "
+                               f"{cfg.checkpoint_rearm})")
+            elif len(self.checkpoints) >= cfg.max_checkpoints:
+                reasons.append(f"no checkpoint for {why}: rate limit ({cfg.max_checkpoints} per "
+                               f"{cfg.checkpoint_window} steps)")
+            else:
+                wanted[Action.CHECKPOINT] = why
+                self.last_checkpoint = t
+                self.checkpoints.append(t)
+        if warned_now:
+            self.last_warning = t
+
+        # -- rewind: cooldown, then the limit turns it into a halt ---------------------------
+        if Action.REWIND in wanted:
+            why = wanted.pop(Action.REWIND)
+            while self.rewinds and t - self.rewinds[0] >= cfg.rewind_window:
+                self.rewinds.popleft()
+            if t - self.last_rewind <= cfg.rewind_cooldown:
+                reasons.append(f"no rewind for {why}: cooldown ({t - self.last_rewind} <= "
+                               f"{cfg.rewind_cooldown} steps since the last)")
+            elif len(self.rewinds) >= cfg.max_rewinds:
+                want(Action.HALT, f"{why}, but already {len(self.rewinds)} rewinds within "
+                                  f"{cfg.rewind_window} steps")
+            else:
+                wanted[Action.REWIND] = why
+                self.last_rewind = t
+                self.rewinds.append(t)
+                self.nonfinite_streak = 0
+
+        actions = sorted(wanted, key=_SEVERITY.__getitem__, reverse=True)
+        self.last_reasons = [f"{a.value}: {wanted[a]}" for a in actions] + reasons
+        return actions
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tick": self.tick, "nonfinite_streak": self.nonfinite_streak,
+                "last_checkpoint": self.last_checkpoint, "last_warning": self.last_warning,
+                "checkpoints": list(self.checkpoints), "last_rewind": self.last_rewind,
+                "rewinds": list(self.rewinds)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.tick = int(d["tick"])
+        self.nonfinite_streak = int(d["nonfinite_streak"])
+        self.last_checkpoint = int(d["last_checkpoint"])
+        self.last_warning = int(d["last_warning"])
+        self.checkpoints = deque(int(v) for v in d["checkpoints"])
+        self.last_rewind = int(d["last_rewind"])
+        self.rewinds = deque(int(v) for v in d["rewinds"])
+        self.last_reasons = []

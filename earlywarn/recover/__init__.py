@@ -1,0 +1,51 @@
+"""Recovery: repair poisoned state, clean snapshots and atomic checkpoints, PaLM-style rewind and
+batch skip with an exact data position, quarantine and blame (torch)."""
+
+from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
+from .data import (
+    BatchRef,
+    DataPosition,
+    DataPositionAdapter,
+    ResumableLoader,
+    StatefulAdapter,
+    ResumableAdapter,
+    data_position_adapter,
+    dataset_fingerprint,
+)
+from .errors import CheckpointError, DataPositionError, FingerprintMismatch, Halt
+from .recovery import Blame, QuarantineRecord, Recovery, RecoveryConfig, RewindReport
+from .repair import Flag, RepairAction, RepairReport, StateScan, repair_optimizer_state, scan_state
+from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
+
+__all__ = [
+    "BatchRef",
+    "Blame",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "DataPosition",
+    "DataPositionAdapter",
+    "DataPositionError",
+    "FingerprintMismatch",
+    "Flag",
+    "Halt",
+    "QuarantineRecord",
+    "Recovery",
+    "RecoveryConfig",
+    "RepairAction",
+    "RepairReport",
+    "ResumableAdapter",
+    "ResumableLoader",
+    "RewindReport",
+    "Snapshot",
+    "SnapshotRing",
+    "StateScan",
+    "StatefulAdapter",
+    "capture_state",
+    "data_position_adapter",
+    "dataset_fingerprint",
+    "load_checkpoint",
+    "repair_optimizer_state",
+    "restore_state",
+    "scan_state",
+]

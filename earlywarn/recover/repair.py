@@ -1,0 +1,388 @@
+"""Find and repair non-finite values in parameters, buffers and optimizer state.
+
+Skipping a bad step is not enough once the moments were written: a non-finite ``exp_avg_sq``
+makes every later Adam update at that coordinate NaN (inf/inf) or zero, whatever the gradient.
+
+What a repair writes, per kind of state (only at the poisoned coordinates; all others and
+``step`` are left untouched). For one parameter the poisoned coordinates are the union over
+the parameter and all its same-shaped state tensors, so ``m`` and ``v`` are reset together:
+
+==========================================================  =================================
+state key (optimizer)                                       repaired value
+==========================================================  =================================
+``exp_avg`` (Adam/AdamW/NAdam/RAdam/Adamax),                0: a first moment that starts again,
+``momentum_buffer`` (SGD/RMSprop), ``grad_avg``,            as at step 0
+``prev`` (Rprop)
+``exp_avg_sq``, ``max_exp_avg_sq`` (Adam family),           the largest finite value of that
+``square_avg``, ``acc_delta`` (RMSprop/Adadelta),           tensor: a conservative denominator,
+``sum`` (Adagrad), ``exp_inf`` (Adamax)                     so the coordinate takes small steps
+                                                            until its statistics recover. If
+                                                            the whole tensor is non-finite: the
+                                                            largest finite value of that key
+                                                            over all parameters, else 0 (noted)
+``step``, ``mu_product`` and other scalars, unknown keys,   copied from the snapshot when one is
+parameters and buffers                                      given, else left as they are and
+                                                            reported unrepaired
+==========================================================  =================================
+
+With a snapshot (the last clean in-memory copy), parameter and buffer coordinates are copied back
+from it, and with ``reset_state=False`` the optimizer state coordinates too. Repairing
+parameters coordinate-wise is only done while the poisoned share of all parameter elements stays
+below ``max_param_fraction``; beyond that the report asks for a rewind.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+ZERO_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg", "prev"})
+SECOND_MOMENT_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One tensor holding non-finite values. ``key`` is ``None`` for the parameter itself,
+    ``"buffer"`` for a module buffer, else the optimizer state key."""
+
+    name: str
+    key: str | None
+    nonfinite: int
+    numel: int
+
+    @property
+    def where(self) -> str:
+        return self.name if self.key is None else f"{self.name}[{self.key}]"
+
+
+@dataclass
+class StateScan:
+    """Result of :func:`scan_state`: the tensors with non-finite values, in model order."""
+
+    flags: list[Flag]
+    tensors_checked: int
+    _refs: dict[tuple[str, str | None], tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _param_numel: int = field(default=0, repr=False)
+
+    @property
+    def clean(self) -> bool:
+        return not self.flags
+
+    @property
+    def params(self) -> list[Flag]:
+        return [f for f in self.flags if f.key is None]
+
+    @property
+    def buffers(self) -> list[Flag]:
+        return [f for f in self.flags if f.key == "buffer"]
+
+    @property
+    def state(self) -> list[Flag]:
+        return [f for f in self.flags if f.key not in (None, "buffer")]
+
+    @property
+    def params_poisoned(self) -> bool:
+        """A parameter or buffer holds a non-finite value (repair needs a snapshot, or rewind)."""
+        return bool(self.params or self.buffers)
+
+    @property
+    def state_poisoned(self) -> bool:
+        """Optimizer state holds a non-finite value (repairable in place)."""
+        return bool(self.state)
+
+    @property
+    def first_layer(self) -> str | None:
+        """The first parameter (model order) with a non-finite value in itself or its state."""
+        return self.flags[0].name if self.flags else None
+
+    def summary(self) -> str:
+        if self.clean:
+            return f"all {self.tensors_checked} tensors finite"
+        parts = [f"{f.where}: {f.nonfinite}/{f.numel}" for f in self.flags[:6]]
+        more = f" (+{len(self.flags) - 6} more)" if len(self.flags) > 6 else ""
+        return "non-finite values in " + ", ".join(parts) + more
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensors_checked": self.tensors_checked,
+            "flags": [{"name": f.name, "key": f.key, "nonfinite": f.nonfinite, "numel": f.numel} for f in self.flags],
+        }
+
+
+def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
+    names: dict[int, str] = {}
+    if model is not None:
+        for n, p in model.named_parameters(remove_duplicate=True):
+            names.setdefault(id(p), n)
+    if optimizer is not None:
+        for gi, g in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(g["params"]):
+                names.setdefault(id(p), f"param_groups[{gi}].params[{pi}]")
+    return names
+
+
+def _checkable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
+
+
+def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> StateScan:
+    """Which parameters, floating buffers and optimizer state tensors hold NaN/Inf, and how many.
+
+    One host read per device: per-tensor counts are computed and stacked on the device, then read
+    with a single ``tolist()``. Meant for the rare path (after an alert), not every step.
+    """
+    names = _param_names(model, optimizer)
+    entries: list[tuple[str, str | None, Any, torch.Tensor]] = []
+    seen: set[int] = set()
+    params: list[torch.Tensor] = []
+    if model is not None:
+        for n, p in model.named_parameters(remove_duplicate=True):
+            params.append(p)
+    if optimizer is not None:
+        params += [p for g in optimizer.param_groups for p in g["params"]]
+    param_numel = 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        name = names[id(p)]
+        if _checkable(p):
+            entries.append((name, None, p, p))
+            param_numel += p.numel()
+        if optimizer is not None:
+            for k, v in optimizer.state.get(p, {}).items():
+                if _checkable(v):
+                    entries.append((name, str(k), p, v))
+    if model is not None:
+        for n, b in model.named_buffers(remove_duplicate=True):
+            if _checkable(b):
+                entries.append((n, "buffer", b, b))
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    counts_dev: list[torch.Tensor] = []
+    with torch.no_grad():
+        for i, (_, _, _, t) in enumerate(entries):
+            counts_dev.append(torch.isfinite(t).logical_not_().sum())
+            by_device[t.device].append(i)
+    counts = [0] * len(entries)
+    for dev, idx in by_device.items():
+        values = torch.stack([counts_dev[i] for i in idx]).tolist()  # the one host read
+        for i, v in zip(idx, values):
+            counts[i] = int(v)
+    flags, refs = [], {}
+    for (name, key, p, t), c in zip(entries, counts):
+        refs[(name, key)] = (p, t)
+        if c:
+            flags.append(Flag(name, key, c, t.numel()))
+    return StateScan(flags, len(entries), refs, param_numel)
+
+
+@dataclass(frozen=True)
+class RepairAction:
+    """What was done to one tensor: ``count`` coordinates set by ``action`` (``"zero"``,
+    ``"finite_max"``, ``"snapshot"``, ``"zero (no finite value)"``), or left with ``reason``."""
+
+    name: str
+    key: str | None
+    count: int
+    action: str
+    value: float | None = None
+    reason: str | None = None
+
+    @property
+    def where(self) -> str:
+        return self.name if self.key is None else f"{self.name}[{self.key}]"
+
+    def __str__(self) -> str:
+        if self.reason:
+            return f"{self.where}: {self.count} left non-finite ({self.reason})"
+        v = f" = {self.value:.3g}" if self.value is not None else ""
+        return f"{self.where}: {self.count} set by {self.action}{v}"
+
+
+@dataclass
+class RepairReport:
+    """What :func:`repair_optimizer_state` changed. ``ok``: a re-scan found everything finite.
+    ``needs_rewind``: parameters stayed non-finite (no snapshot, or too many to patch)."""
+
+    scan: StateScan
+    repaired: list[RepairAction]
+    unrepaired: list[RepairAction]
+    after: StateScan | None
+    step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.after is not None and self.after.clean
+
+    @property
+    def needs_rewind(self) -> bool:
+        return not self.ok and self.after is not None and bool(self.after.params or self.after.buffers)
+
+    @property
+    def first_layer(self) -> str | None:
+        return self.scan.first_layer
+
+    def summary(self) -> str:
+        if self.scan.clean:
+            return "nothing to repair: " + self.scan.summary()
+        text = "repaired " + "; ".join(str(a) for a in self.repaired) if self.repaired else "repaired nothing"
+        if self.unrepaired:
+            text += "; NOT repaired: " + "; ".join(str(a) for a in self.unrepaired)
+        if self.needs_rewind:
+            text += "; parameters are still non-finite: rewind to a clean snapshot"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        def row(a: RepairAction) -> dict[str, Any]:
+            return {"name": a.name, "key": a.key, "count": a.count, "action": a.action, "value": a.value, "reason": a.reason}
+
+        return {
+            "step": self.step,
+            "ok": self.ok,
+            "needs_rewind": self.needs_rewind,
+            "found": self.scan.to_dict(),
+            "repaired": [row(a) for a in self.repaired],
+            "unrepaired": [row(a) for a in self.unrepaired],
+        }
+
+
+def _snapshot_trees(snapshot: Any) -> tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]:
+    if snapshot is None:
+        return None, None
+    state = getattr(snapshot, "state", snapshot)
+    if hasattr(snapshot, "wait"):
+        snapshot.wait()
+    return state.get("model"), state.get("optimizer")
+
+
+def repair_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    scan: StateScan,
+    *,
+    snapshot: Any = None,
+    reset_state: bool = True,
+    max_param_fraction: float = 0.01,
+    model: torch.nn.Module | None = None,
+    step: int | None = None,
+) -> RepairReport:
+    """Repair what ``scan`` found (see the module docstring for the values written).
+
+    Args:
+        optimizer: the optimizer whose state was scanned.
+        scan: from :func:`scan_state` (same model and optimizer).
+        snapshot: a :class:`~earlywarn.recover.snapshot.Snapshot` or a mapping with ``"model"``
+            (a ``model.state_dict()`` copy) and ``"optimizer"`` (an ``optimizer.state_dict()``
+            copy). Parameters and buffers are only repaired from it.
+        reset_state: optimizer state coordinates get the per-key reset even when a snapshot is
+            given; ``False`` copies them from the snapshot instead (rule as fallback).
+        max_param_fraction: patch parameters coordinate-wise only while the poisoned share of
+            all parameter elements is at most this; above it, leave them and ask for a rewind.
+        model: re-scanned together with the optimizer to verify the repair (defaults to the
+            parameters the optimizer holds).
+    """
+    snap_model, snap_opt = _snapshot_trees(snapshot)
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    repaired: list[RepairAction] = []
+    unrepaired: list[RepairAction] = []
+    poisoned_param_elems = sum(f.nonfinite for f in scan.params)
+    patch_params = poisoned_param_elems <= max_param_fraction * max(1, scan._param_numel)
+
+    # global fallbacks for a second moment that is non-finite everywhere
+    fallback_max: dict[str, float | None] = {}
+
+    def key_max(key: str) -> float | None:
+        if key not in fallback_max:
+            best = None
+            for p, st in optimizer.state.items():
+                v = st.get(key)
+                if _checkable(v):
+                    fin = v[torch.isfinite(v)]
+                    if fin.numel():
+                        m = float(fin.abs().max())
+                        best = m if best is None else max(best, m)
+            fallback_max[key] = best
+        return fallback_max[key]
+
+    def from_snapshot(tree: Mapping[str, Any] | None, name_or_idx: Any, key: str | None) -> torch.Tensor | None:
+        if tree is None:
+            return None
+        if key is None or key == "buffer":
+            t = tree.get(name_or_idx)
+        else:
+            t = tree.get("state", {}).get(name_or_idx, {}).get(key)
+        return t if isinstance(t, torch.Tensor) else None
+
+    flagged_names = {f.name for f in scan.flags}
+    with torch.no_grad():
+        # parameters (and their optimizer state, with the union mask) -----------------------
+        for name in flagged_names:
+            if (name, None) not in scan._refs:
+                continue
+            p, _ = scan._refs[(name, None)]
+            st = optimizer.state.get(p, {})
+            mask = ~torch.isfinite(p)
+            for k, v in st.items():
+                if _checkable(v) and v.shape == p.shape:
+                    mask |= ~torch.isfinite(v)
+            pflag = next((f for f in scan.params if f.name == name), None)
+            if pflag is not None:
+                src = from_snapshot(snap_model, name, None)
+                pmask = ~torch.isfinite(p)
+                if src is None:
+                    unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason="no clean snapshot to copy the parameter from"))
+                elif not patch_params:
+                    unrepaired.append(RepairAction(
+                        name, None, pflag.nonfinite, "none",
+                        reason=f"{poisoned_param_elems} poisoned parameter elements exceed max_param_fraction={max_param_fraction}"))
+                else:
+                    src = src.to(p.device, p.dtype)
+                    p.copy_(torch.where(pmask, src, p))
+                    repaired.append(RepairAction(name, None, pflag.nonfinite, "snapshot"))
+            i = index.get(id(p))
+            for k, v in st.items():
+                if not _checkable(v):
+                    continue
+                k = str(k)
+                kmask = mask if v.shape == p.shape else ~torch.isfinite(v)
+                count = int(kmask.sum())
+                if count == 0:
+                    continue
+                src = from_snapshot(snap_opt, i, k)
+                use_snap = src is not None and src.shape == v.shape and (not reset_state or k not in ZERO_KEYS | SECOND_MOMENT_KEYS)
+                if use_snap:
+                    src = src.to(v.device, v.dtype)
+                    if bool(torch.isfinite(src[kmask]).all()):
+                        v.copy_(torch.where(kmask, src, v))
+                        repaired.append(RepairAction(name, k, count, "snapshot"))
+                        continue
+                if k in ZERO_KEYS:
+                    v.masked_fill_(kmask, 0)
+                    repaired.append(RepairAction(name, k, count, "zero"))
+                elif k in SECOND_MOMENT_KEYS:
+                    fin = v[torch.isfinite(v) & ~kmask]
+                    value = float(fin.abs().max()) if fin.numel() else key_max(k)
+                    if value is None:
+                        v.masked_fill_(kmask, 0)
+                        repaired.append(RepairAction(name, k, count, "zero (no finite value)", 0.0))
+                    else:
+                        v.masked_fill_(kmask, value)
+                        repaired.append(RepairAction(name, k, count, "finite_max", value))
+                else:
+                    unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
+        # buffers -----------------------------------------------------------------------------
+        for f in scan.buffers:
+            _, b = scan._refs[(f.name, "buffer")]
+            src = from_snapshot(snap_model, f.name, "buffer")
+            if src is None or src.shape != b.shape:
+                unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
+                continue
+            bmask = ~torch.isfinite(b)
+            b.copy_(torch.where(bmask, src.to(b.device, b.dtype), b))
+            repaired.append(RepairAction(f.name, "buffer", f.nonfinite, "snapshot"))
+
+    # verify: a second scan (rare path) so that `ok` is measured, not assumed
+    after = scan_state(model, optimizer) if not scan.clean else scan
+    return RepairReport(scan, repaired, unrepaired, after, step)

@@ -1,0 +1,192 @@
+"""In-memory snapshots: host copies of everything a rewind restores, kept in a small ring.
+
+A snapshot's ``state`` is a plain dict (the same layout a disk checkpoint stores)::
+
+    {"step": int, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+     "scheduler": ... | None, "scaler": ... | None, "rng": {...}, "data": loader state | None,
+     "extra": {name: obj.state_dict()}}
+
+Every tensor is a host copy (device tensors go to pinned memory, asynchronously; ``wait()``
+before reading). When the ring is full, the evicted snapshot's buffers are reused for the new
+one, so periodic snapshots of a fixed-shape model do not allocate host memory again.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ._state import (
+    HostCopy,
+    call_state_dict,
+    capture_rng,
+    clone_tree,
+    restore_model,
+    restore_optimizer,
+    restore_rng,
+    state_bytes,
+    to_host,
+)
+
+
+def capture_state(
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    scaler: Any = None,
+    data: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    reuse: Mapping[str, Any] | None = None,
+) -> HostCopy:
+    """Host copy of the full training state. ``data`` is the loader's position state (already a
+    plain dict); ``extra`` maps names to objects with ``state_dict()``."""
+    live = {
+        "step": int(step),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": None if scheduler is None else call_state_dict(scheduler, "scheduler"),
+        "scaler": None if scaler is None else call_state_dict(scaler, "scaler"),
+        "rng": capture_rng(),
+        "data": data,
+        "extra": {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in (extra or {}).items()},
+    }
+    return to_host(live, reuse)
+
+
+def restore_state(
+    state: Mapping[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> None:
+    """Put a captured state back, in place. The data position is restored by the caller (it
+    may need to move a live iterator)."""
+    restore_model(model, state["model"])
+    restore_optimizer(optimizer, state["optimizer"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))
+    if scaler is not None and state.get("scaler"):  # {} = saved from a disabled scaler
+        scaler.load_state_dict(copy.deepcopy(state["scaler"]))
+    for name, obj in (extra or {}).items():
+        saved = (state.get("extra") or {}).get(name)
+        if saved is not None:
+            obj.load_state_dict(clone_tree(saved))
+    if rng and state.get("rng") is not None:
+        restore_rng(state["rng"])
+
+
+@dataclass
+class Snapshot:
+    """One captured state. ``clean``: no alert within the clean window before ``step``."""
+
+    step: int
+    clean: bool
+    reason: str
+    host: HostCopy = field(repr=False)
+    time: float = field(default_factory=time.time)
+    pinned: int = field(default=0, repr=False)
+    """Writers still reading the buffers (an async disk write): the ring will not recycle them."""
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.host.wait()
+
+    def wait(self) -> dict[str, Any]:
+        return self.host.wait()
+
+    @property
+    def nbytes(self) -> int:
+        return state_bytes(self.host.tree)
+
+
+class SnapshotRing:
+    """The last ``keep`` clean snapshots and the last ``keep_unclean`` others (taken on a
+    warning), in host memory. Restoring one is a memory copy: a rewind without disk."""
+
+    def __init__(self, keep: int = 2, *, keep_unclean: int = 1) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1")
+        if keep_unclean < 0:
+            raise ValueError(f"keep_unclean={keep_unclean}: must be >= 0")
+        self.keep = keep
+        self.keep_unclean = keep_unclean
+        self._entries: list[Snapshot] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def entries(self) -> list[Snapshot]:
+        """Oldest first."""
+        return list(self._entries)
+
+    def _victim(self, clean: bool) -> Snapshot | None:
+        same = [s for s in self._entries if s.clean == clean]
+        cap = self.keep if clean else self.keep_unclean
+        if len(same) >= cap and same:
+            return same[0]
+        return None
+
+    def capture(
+        self,
+        step: int,
+        *,
+        clean: bool = True,
+        reason: str = "periodic",
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Snapshot:
+        """Capture and add a snapshot, recycling the buffers of the one it evicts."""
+        victim = self._victim(clean)
+        reuse = victim.host.tree if victim is not None and victim.pinned == 0 else None
+        if reuse is not None:
+            self._entries.remove(victim)  # its buffers are about to be overwritten
+        host = capture_state(
+            step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            data=data, extra=extra, reuse=reuse,
+        )
+        snap = Snapshot(step=int(step), clean=clean, reason=reason, host=host)
+        self.add(snap)
+        return snap
+
+    def add(self, snap: Snapshot) -> None:
+        if snap.clean or self.keep_unclean > 0:
+            self._entries.append(snap)
+        self._entries.sort(key=lambda s: s.step)
+        for clean, cap in ((True, self.keep), (False, self.keep_unclean)):
+            same = [s for s in self._entries if s.clean == clean]
+            for s in same[: max(0, len(same) - cap)]:
+                self._entries.remove(s)
+
+    def latest(self, *, clean_only: bool = True, before: int | None = None) -> Snapshot | None:
+        """Newest snapshot (clean only by default) with ``step < before``."""
+        for s in reversed(self._entries):
+            if clean_only and not s.clean:
+                continue
+            if before is not None and s.step >= before:
+                continue
+            return s
+        return None
+
+    def drop_after(self, step: int) -> list[Snapshot]:
+        """Forget snapshots newer than ``step`` (taken on a trajectory a rewind abandoned)."""
+        gone = [s for s in self._entries if s.step > step]
+        self._entries = [s for s in self._entries if s.step <= step]
+        return gone
+
+    def clear(self) -> None:
+        self._entries.clear()

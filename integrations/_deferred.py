@@ -1,0 +1,100 @@
+"""Decide a step early, apply it at ``optimizer.step``: for trainers that clip between the two.
+
+The watcher takes its statistics inside ``optimizer.step``. Frameworks that call
+``optimizer.step(closure)`` run backward *inside* that call, and clip gradients after the
+"before optimizer step" hook: statistics taken at ``step`` would see clipped gradients (a
+spike clipped to ``max_norm`` is no spike) or none at all (the closure has not run yet).
+
+:class:`DeferredStep` splits the watcher's step in two: :meth:`observe` runs the watcher's
+whole decision (statistics, one host read, detector, policy, skip / rewind / halt) at the hook,
+on unclipped and unscaled gradients, but records the optimizer update instead of applying it;
+the wrapper it installs on ``optimizer.step`` runs the closure first, then applies the recorded
+decision. A step that the hook did not see (no hook call, e.g. outside the trainer) goes through
+the watcher unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from earlywarn.guard import Watcher
+
+
+class _Recorded:
+    __slots__ = ("apply", "found_inf")
+
+    def __init__(self, apply: bool, found_inf: torch.Tensor | None):
+        self.apply = apply
+        self.found_inf = found_inf
+
+
+class DeferredStep:
+    """Installs itself on ``watcher.optimizer.step`` (over the watcher's own wrapper)."""
+
+    def __init__(self, watcher: Watcher, scaler: "torch.amp.GradScaler | None" = None):
+        self.watcher = watcher
+        self.optimizer = watcher.optimizer
+        self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
+        self._pending: _Recorded | None = None
+        self._guarded: Callable[..., Any] = self.optimizer.step
+        self.optimizer.step = self._step  # type: ignore[method-assign]
+
+    def observe(self) -> None:
+        """The watcher's decision for this step, now. Call once per optimizer step, after
+        backward and before any gradient clipping."""
+        w, opt = self.watcher, self.optimizer
+        seen: list[torch.Tensor | None] = []
+        real = w._orig_step
+        w._orig_step = lambda *a, **k: seen.append(getattr(opt, "found_inf", None))  # type: ignore[method-assign]
+        # A fused optimizer unscales inside its kernel, so its gradients are still scaled here:
+        # hand the watcher the scale as GradScaler.step would (the norms are then unscaled).
+        set_scale = self.scaler is not None and w._fused and getattr(opt, "grad_scale", None) is None
+        if set_scale:
+            opt.grad_scale = self.scaler._scale  # type: ignore[attr-defined, union-attr]
+        try:
+            w._guarded_step()
+        finally:
+            w._orig_step = real  # type: ignore[method-assign]
+            if set_scale:
+                del opt.grad_scale
+        self._pending = _Recorded(bool(seen), seen[0] if seen else None)
+
+    def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # backward, the trainer's hook (-> observe), clipping
+        pending, self._pending = self._pending, None
+        if pending is None:
+            out = self._guarded(**kwargs)
+            return loss if closure is not None else out
+        if pending.apply:
+            self._apply(pending, kwargs)
+        return loss
+
+    def _apply(self, pending: _Recorded, kwargs: dict[str, Any]) -> None:
+        w, opt = self.watcher, self.optimizer
+        if pending.found_inf is None:
+            w._orig_step(**kwargs)
+            return
+        # Fused Adam/AdamW: the watcher's device-side skip flag, merged with GradScaler's.
+        prior = getattr(opt, "found_inf", None)
+        found = pending.found_inf
+        if isinstance(prior, torch.Tensor):
+            found = torch.maximum(found, prior.to(found.device, found.dtype))
+        opt.found_inf = found  # type: ignore[attr-defined]
+        try:
+            w._orig_step(**kwargs)
+        finally:
+            if prior is None:
+                del opt.found_inf
+            else:
+                opt.found_inf = prior  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        """Put the watcher's own wrapper back (before ``watcher.detach()``)."""
+        if self.optimizer.__dict__.get("step") == self._step:
+            self.optimizer.step = self._guarded  # type: ignore[method-assign]
+        self._pending = None

@@ -1,0 +1,424 @@
+"""The streaming detector: pure pair, robust baselines, escalation levels, real runs, round trips."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import pickle
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from earlywarn.detect import (Detector, DetectorConfig, DetectorState, Observation,
+                              StreamingDetector, replay)
+from earlywarn.detect.replay import observations_from_arrays
+from earlywarn.events import Event, Kind, Level
+
+DATA = Path(__file__).parent / "data" / "realruns"
+LAYERS = [f"h.{i}" for i in range(8)]
+
+
+def _alerts_key(alerts: list[Event]) -> list[tuple]:
+    return [(a.step, a.kind, a.level, a.signal, a.layers, a.message,
+             tuple(sorted((k, round(v, 9) if math.isfinite(v) else str(v)) for k, v in a.values.items())))
+            for a in alerts]
+
+
+def _calm_run(n: int, seed: int = 0, layers: int = 8, noise: float = 0.1):
+    rng = np.random.default_rng(seed)
+    lay = 0.05 * np.exp(rng.normal(0, noise, (n, layers)))
+    g = np.sqrt((lay ** 2).sum(1))
+    loss = 2.5 * np.exp(rng.normal(0, 0.01, n))
+    return lay, g, loss
+
+
+def _obs(step, g, loss, lay=None, **kw):
+    return Observation(step=step, grad_norm=float(g), loss=float(loss),
+                       layer_norms=None if lay is None else np.asarray(lay, dtype=np.float64), **kw)
+
+
+def _escalating_run(n_calm: int = 200, seed: int = 1):
+    """Calm, then layer h.3 starts growing x2 per step, the others follow a step later."""
+    lay, g, loss = _calm_run(n_calm, seed)
+    obs = [_obs(i, g[i], loss[i], lay[i]) for i in range(n_calm)]
+    base = lay[-1].copy()
+    for j in range(1, 7):
+        cur = base.copy()
+        cur[3] *= 2.0 ** j
+        cur[[2, 4]] *= 2.0 ** max(0, j - 1)
+        obs.append(_obs(n_calm + j - 1, np.sqrt((cur ** 2).sum()), loss[-1] * (1 + 0.02 * j), cur))
+    obs.append(_obs(n_calm + 6, float("nan"), float("nan"), np.full(8, np.nan)))
+    return obs
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def test_config_validation_names_field_value_and_fix():
+    with pytest.raises(ValueError, match=r"DetectorConfig\.alpha=0 .*\(0, 1\]"):
+        DetectorConfig(alpha=0)
+    with pytest.raises(ValueError, match=r"spike_ratio=0\.5.*>= 1"):
+        DetectorConfig(spike_ratio=0.5)
+    with pytest.raises(ValueError, match=r"warmup_steps=2\.5.*int"):
+        DetectorConfig(warmup_steps=2.5)
+    with pytest.raises(ValueError, match=r"admit_z=5.*spike_z"):
+        DetectorConfig(admit_z=5.0, spike_z=4.0)
+    with pytest.raises(ValueError, match=r"min_scale=nan"):
+        DetectorConfig(min_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"readapt_steps"):
+        DetectorConfig(readapt_steps=2)
+
+
+def test_config_dict_and_file_round_trip(tmp_path):
+    cfg = DetectorConfig(spike_z=5.0, jump_ratio=float("inf"), layers_at_once=3)
+    assert DetectorConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    path = tmp_path / "det.json"
+    cfg.to_file(path)
+    assert DetectorConfig.from_file(path) == cfg
+    with pytest.raises(ValueError, match="unknown field"):
+        DetectorConfig.from_dict({"spike_zz": 3})
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        DetectorConfig.from_file(path)
+
+
+def test_config_fields_all_have_docstrings():
+    import ast
+    import inspect
+
+    import earlywarn.detect.config as mod
+
+    tree = ast.parse(inspect.getsource(mod))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DetectorConfig")
+    body = cls.body
+    documented = {body[i].target.id for i in range(len(body) - 1)
+                  if isinstance(body[i], ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)
+                  and isinstance(body[i + 1].value, ast.Constant)}
+    fields = {f for f in DetectorConfig.__dataclass_fields__}
+    assert fields == documented
+
+
+# -- the pure pair ------------------------------------------------------------------------------
+
+
+def test_update_never_mutates_its_input_state_and_is_deterministic():
+    det = Detector()
+    obs = _escalating_run()
+    state = det.init(LAYERS)
+    snapshots = []
+    for o in obs:
+        before = copy.deepcopy(state)
+        alerts, new = det.update(state, o)
+        np.testing.assert_array_equal(state.stats, before.stats)
+        assert state._replace(stats=None, dev=None) == before._replace(stats=None, dev=None)
+        snapshots.append(alerts)
+        state = new
+    again = Detector()
+    st2 = again.init(LAYERS)
+    for o, expected in zip(obs, snapshots):
+        alerts, st2 = again.update(st2, o)
+        assert _alerts_key(alerts) == _alerts_key(expected)
+
+
+def test_same_state_replayed_twice_gives_the_same_alerts():
+    det = Detector()
+    obs = _escalating_run()
+    state = det.init(LAYERS)
+    for o in obs[:190]:
+        _, state = det.update(state, o)
+    outs = []
+    for _ in range(2):
+        s, alerts = state, []
+        for o in obs[190:]:
+            a, s = det.update(s, o)
+            alerts += a
+        outs.append(_alerts_key(alerts))
+    assert outs[0] == outs[1] and outs[0]
+
+
+@pytest.mark.parametrize("cut", [5, 60, 199, 202, 204])
+def test_state_dict_round_trip_mid_run_gives_the_same_alerts(cut):
+    obs = _escalating_run()
+    whole = StreamingDetector(layer_names=LAYERS)
+    expected = [a for o in obs for a in whole.observe(o)]
+    assert any(a.level >= Level.WARNING for a in expected)
+
+    first = StreamingDetector(layer_names=LAYERS)
+    got = [a for o in obs[:cut] for a in first.observe(o)]
+    sd = first.state_dict()
+    # torch.save / JSON friendly: pickle as is, and JSON once arrays become lists
+    blob = pickle.loads(pickle.dumps(sd))
+    as_json = json.loads(json.dumps({k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                                     for k, v in sd.items()}))
+    for restored in (blob, as_json):
+        second = StreamingDetector(layer_names=LAYERS)
+        second.load_state_dict(restored)
+        rest = [a for o in obs[cut:] for a in second.observe(o)]
+        assert _alerts_key(got + rest) == _alerts_key(expected)
+
+
+def test_state_from_dict_rejects_a_mismatched_layout():
+    sd = StreamingDetector(layer_names=LAYERS).state_dict()
+    sd["stats"] = np.zeros((3, 3))
+    with pytest.raises(ValueError, match="stats shape"):
+        DetectorState.from_dict(sd)
+
+
+def test_layer_norms_must_match_the_layer_names():
+    sd = StreamingDetector(layer_names=LAYERS)
+    with pytest.raises(ValueError, match="same layers in the same order"):
+        sd.observe(_obs(0, 1.0, 2.0, np.ones(3)))
+
+
+def test_lazy_layer_names_from_the_first_observation():
+    sd = StreamingDetector()
+    sd.observe(_obs(0, 1.0, 2.0, np.ones(3)))
+    assert sd.layer_names == ("layer0", "layer1", "layer2")
+
+
+def test_replay_is_the_live_code_path():
+    obs = _escalating_run()
+    live = StreamingDetector(layer_names=LAYERS)
+    alerts = [a for o in obs for a in live.observe(o)]
+    res = replay(obs, layer_names=LAYERS, scores=True)
+    assert _alerts_key(res.alerts) == _alerts_key(alerts)
+    assert res.first(Level.WARNING) is not None
+    assert len(res.scores) == len(obs) and res.scores[-1] == 1000.0
+
+
+# -- robust baselines ---------------------------------------------------------------------------
+
+
+def test_calm_noise_raises_nothing_and_scores_stay_low():
+    lay, g, loss = _calm_run(3000, seed=3)
+    sd = StreamingDetector(layer_names=LAYERS)
+    alerts = [a for i in range(3000) for a in sd.observe(_obs(i, g[i], loss[i], lay[i]))]
+    assert not [a for a in alerts if a.level >= Level.WARNING]
+    assert sd.score < 4.0
+
+
+def test_lr_warmup_that_lowers_the_norm_does_not_alarm():
+    # the norm falls 30x over 600 steps (as in llm.c's first steps), noisy
+    rng = np.random.default_rng(4)
+    n = 600
+    g = 15.0 * np.exp(-np.linspace(0, math.log(30), n) + rng.normal(0, 0.08, n))
+    loss = 10.0 * np.exp(-np.linspace(0, 1.0, n) + rng.normal(0, 0.01, n))
+    res = replay(observations_from_arrays(np.arange(n), g, loss))
+    assert not res.at_least(Level.INFO)
+
+
+def test_rounded_logger_mad_zero_does_not_make_every_blip_an_alarm():
+    # a norm printed with two decimals: 0.27 for 300 steps (every deviation 0), then one quantum up
+    g = np.r_[np.full(300, 0.27), 0.28, 0.27, 0.28, 0.28, 0.27, np.full(50, 0.27)]
+    res = replay(observations_from_arrays(np.arange(len(g)), g, np.full(len(g), 3.0)))
+    assert not res.alerts
+    sd = StreamingDetector()
+    for o in observations_from_arrays(np.arange(300), np.full(300, 0.27), np.full(300, 3.0)):
+        sd.observe(o)
+    assert sd.state.stats[1, 0] >= DetectorConfig().min_scale  # the scale floor holds
+
+
+def test_spikes_skipped_and_nonfinite_steps_never_enter_the_baseline():
+    lay, g, loss = _calm_run(300, seed=5)
+    sd = StreamingDetector(layer_names=LAYERS)
+    for i in range(300):
+        sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    before = sd.baselines()
+    sd.observe(_obs(300, g[0] * 50, loss[0], lay[0] * 50))  # a spike
+    sd.observe(_obs(301, g[0] * 80, loss[0], lay[0] * 80, skipped=True))  # a skipped step
+    bad = lay[0].copy()
+    bad[2] = np.inf
+    sd.observe(_obs(302, float("inf"), loss[0], bad))  # a non-finite gradient
+    after = sd.baselines()
+    for key in ("grad_norm", "grad_norm/h.0", "grad_norm/h.2"):
+        assert after[key] == pytest.approx(before[key], rel=1e-12), key
+
+
+def test_zero_norm_means_absent_not_a_collapse_of_the_baseline():
+    lay, g, loss = _calm_run(200, seed=6)
+    sd = StreamingDetector(layer_names=LAYERS)
+    for i in range(200):
+        sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    before = sd.baselines()["grad_norm/h.5"]
+    frozen = lay[-1].copy()
+    frozen[5] = 0.0  # a frozen layer / "not computed"
+    for i in range(200, 260):
+        alerts = sd.observe(_obs(i, g[-1], loss[-1], frozen))
+        assert not [a for a in alerts if a.level >= Level.WARNING]
+    assert sd.baselines()["grad_norm/h.5"] == pytest.approx(before)
+
+
+# -- levels -------------------------------------------------------------------------------------
+
+
+def test_isolated_spike_is_info_after_it_recovered():
+    lay, g, loss = _calm_run(300, seed=7)
+    sd = StreamingDetector(layer_names=LAYERS)
+    alerts = []
+    for i in range(300):
+        spike = 7.0 if i == 250 else 1.0
+        cur = lay[i].copy()
+        if i == 250:
+            cur[6] *= 10.0
+            cur[1] *= 7.0
+        alerts += sd.observe(_obs(i, g[i] * spike, loss[i], cur))
+    assert [a.kind for a in alerts] == [Kind.GRAD_SPIKE]
+    a = alerts[0]
+    assert a.level == Level.INFO and a.step == 251 and a.values["peak_step"] == 250
+    assert a.signal == "grad_norm" and a.layers[0] == "h.6"
+    assert a.values["ratio"] == pytest.approx(7.0, rel=0.2)
+    assert {"ratio", "value", "baseline"} <= set(a.values)
+
+
+def test_escalation_is_a_warning_naming_the_layer_that_moved_first():
+    obs = _escalating_run()
+    res = replay(obs, layer_names=LAYERS)
+    warn = res.first(Level.WARNING)
+    assert warn.kind == Kind.COLLAPSE_RISK and warn.level == Level.WARNING
+    assert warn.step <= 203  # third growing step
+    assert warn.layers[0] == "h.3"
+    assert {"ratio", "value", "baseline"} <= set(warn.values) and warn.values["ratio"] > 2
+    assert warn.message.endswith(".") and "checkpoint" in warn.message
+    # one warning per episode, then the criticals at the non-finite step
+    assert len([a for a in res.alerts if a.kind == Kind.COLLAPSE_RISK]) == 1
+    last = [a for a in res.alerts if a.step == 206]
+    assert {a.kind for a in last} == {Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE}
+    assert all(a.level == Level.CRITICAL for a in last)
+
+
+def test_nonfinite_gradient_is_critical_and_names_the_first_layer_in_backward_order():
+    lay, g, loss = _calm_run(50, seed=8)
+    sd = StreamingDetector(layer_names=LAYERS)
+    for i in range(50):
+        sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    bad = lay[0].copy()
+    bad[[2, 6]] = [np.nan, np.inf]
+    flags = np.zeros(8)
+    flags[[2, 6]] = 1
+    alerts = sd.observe(_obs(50, float("nan"), loss[0], bad, layer_nonfinite=flags, skipped=True))
+    (a,) = alerts
+    assert a.kind == Kind.NONFINITE_GRAD and a.level == Level.CRITICAL and a.signal == "nonfinite"
+    assert a.layers == ("h.2", "h.6") and a.values["steps"] == 1
+    assert sd.score == 1000.0 and sd.level == Level.CRITICAL
+    # flags alone (norms finite) are enough; the count of consecutive steps goes on
+    (b,) = sd.observe(_obs(51, g[1], loss[1], lay[1], layer_nonfinite=flags))
+    assert b.kind == Kind.NONFINITE_GRAD and b.values["steps"] == 2
+    assert sd.observe(_obs(52, g[2], loss[2], lay[2])) == []
+    assert sd.level == Level.NONE
+
+
+def test_loss_nonfinite_and_diverged_are_critical_once_per_divergence():
+    lay, g, loss = _calm_run(100, seed=9)
+    sd = StreamingDetector(layer_names=LAYERS)
+    for i in range(100):
+        sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    kinds = []
+    for i, factor in enumerate([2.0, 2.1, 2.2, 2.3, 1.0, 1.0, 2.0, 2.0]):
+        kinds += [(i, a.kind) for a in sd.observe(_obs(100 + i, g[0], loss[0] * factor, lay[0]))]
+    assert [k for k in kinds if k[1] == Kind.LOSS_DIVERGED] == [(1, Kind.LOSS_DIVERGED), (7, Kind.LOSS_DIVERGED)]
+    (a,) = sd.observe(_obs(200, g[0], float("inf"), lay[0]))
+    assert a.kind == Kind.LOSS_NONFINITE and a.level == Level.CRITICAL
+
+
+def test_scaler_overflow_is_info_and_its_stale_values_stay_out():
+    sd = StreamingDetector()
+    rng = np.random.default_rng(10)
+    for i in range(100):
+        sd.observe(Observation(step=i, grad_norm=float(np.exp(rng.normal(0, 0.1))), loss=2.0,
+                               extras={"loss_scale": 65536.0}))
+    base = sd.baselines()["grad_norm"]
+    # the tr8b-104B pattern: scale halves every step, the logged norm repeats (stale, and high)
+    alerts = []
+    scale = 65536.0
+    for i in range(100, 108):
+        scale /= 2
+        alerts += sd.observe(Observation(step=i, grad_norm=5.0, loss=2.0, extras={"loss_scale": scale}))
+    kinds = [a.kind for a in alerts]
+    assert kinds[:7] == [Kind.SCALER_OVERFLOW] * 7
+    assert all(a.level == Level.INFO for a in alerts if a.kind == Kind.SCALER_OVERFLOW)
+    # eight overflows in a row: the scale is collapsing, that is critical
+    crit = [a for a in alerts if a.level == Level.CRITICAL]
+    assert len(crit) == 1 and crit[0].kind == Kind.NONFINITE_GRAD and crit[0].step == 107
+    assert sd.baselines()["grad_norm"] == pytest.approx(base)
+    # the live guard's pattern: non-finite grads with a scaler, the scale read drops a step later
+    out = sd.observe(Observation(step=108, grad_norm=float("inf"), loss=2.0, skipped=True,
+                                 extras={"loss_scale": scale}))
+    assert [a.kind for a in out] == [Kind.SCALER_OVERFLOW]
+    assert sd.observe(Observation(step=109, grad_norm=1.0, loss=2.0, extras={"loss_scale": scale / 2})) == []
+
+
+# -- real runs ----------------------------------------------------------------------------------
+
+
+def _llmc():
+    rows = [r for r in csv.DictReader(open(DATA / "llmc_gpt2_124m" / "main.csv"))
+            if r["grad_norm"] and r["train_loss"]]
+    steps = np.array([int(r["step"]) for r in rows])
+    return steps, np.array([float(r["grad_norm"]) for r in rows]), np.array([float(r["train_loss"]) for r in rows])
+
+
+def test_llmc_healthy_run_raises_no_warning_and_reports_its_spikes_as_info():
+    steps, g, loss = _llmc()
+    assert len(steps) >= 19_560
+    res = replay(observations_from_arrays(steps, g, loss))
+    assert not res.at_least(Level.WARNING)
+    peaks = {int(a.values["peak_step"]) for a in res.alerts if a.kind == Kind.GRAD_SPIKE}
+    assert {4233, 4582, 7435, 9025, 9954} <= peaks
+    assert all(a.level == Level.INFO for a in res.alerts)
+
+
+def _bloom_block7():
+    rows = [r for r in csv.DictReader(open(DATA / "bloom_chronicles" / "megatron_iteration_lines.csv"))
+            if r["snippet"] == "tr11-176B-ml/chronicles.md#block7" and int(r["iteration"]) <= 31222]
+    rows.sort(key=lambda r: int(r["iteration"]))
+    return ([int(r["iteration"]) for r in rows], [float(r["grad_norm"]) for r in rows],
+            [float(r["lm_loss"]) for r in rows])
+
+
+def test_bloom_176b_warns_at_least_two_steps_before_the_loss_jump():
+    steps, g, loss = _bloom_block7()
+    assert steps[0] == 31214 and loss[steps.index(31219)] > 5
+    res = replay(observations_from_arrays(steps, g, loss), baseline={"grad_norm": 0.2})
+    warn = res.first(Level.WARNING)
+    assert warn is not None and warn.kind == Kind.COLLAPSE_RISK and warn.signal == "grad_norm"
+    assert warn.step <= 31217 and 31219 - warn.step >= 2
+    assert warn.values["ratio"] > 10 and warn.values["baseline"] == pytest.approx(0.2, rel=0.05)
+
+
+def test_bloom_without_a_prior_baseline_stays_quiet_rather_than_guess():
+    steps, g, loss = _bloom_block7()
+    res = replay(observations_from_arrays(steps, g, loss))
+    assert not res.at_least(Level.WARNING)  # five lines are not a baseline
+
+
+def test_baseline_keys_are_validated():
+    with pytest.raises(ValueError, match="not a signal"):
+        Detector().init(LAYERS, {"gradnorm": 0.2})
+    with pytest.raises(ValueError, match="finite value > 0"):
+        Detector().init(LAYERS, {"grad_norm": 0.0})
+
+
+# -- cost ---------------------------------------------------------------------------------------
+
+
+def test_update_allocates_nothing_that_grows():
+    lay, g, loss = _calm_run(6000, seed=11, layers=50)
+    names = [f"l{i}" for i in range(50)]
+    obs = [_obs(i, g[i], loss[i], lay[i]) for i in range(6000)]
+    det = Detector()
+    state = det.init(names)
+    for o in obs[:1000]:
+        _, state = det.update(state, o)
+    tracemalloc.start()
+    for o in obs[1000:2000]:
+        _, state = det.update(state, o)
+    mid, _ = tracemalloc.get_traced_memory()
+    for o in obs[2000:6000]:
+        _, state = det.update(state, o)
+    end, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert end - mid < 20_000  # bytes: one state's worth of slack, not per-step growth

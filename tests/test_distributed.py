@@ -1,0 +1,574 @@
+"""Real torch.distributed (gloo, 2 processes on CPU): DDP and FSDP2 give the single-process
+numbers, every rank takes the same decision, a rewind moves every rank's data the same way.
+
+One pair of processes runs every scenario (starting two interpreters with torch costs most of
+the time); each test below checks the results one scenario left behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+ROWS = 8  # per rank; the single-process reference sees all WORLD * ROWS rows
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(WORLD * ROWS, 8, generator=g, dtype=torch.float64),
+            torch.randn(WORLD * ROWS, 1, generator=g, dtype=torch.float64))
+
+
+def local_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step)
+    return x[rank * ROWS:(rank + 1) * ROWS].clone(), y[rank * ROWS:(rank + 1) * ROWS].clone()
+
+
+def reference_layer_norms(model: nn.Module, step: int) -> dict[str, float]:
+    """Per-layer gradient norms of the full global batch in one process (plus its loss)."""
+    model.zero_grad()
+    x, y = global_batch(step)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    out = {name: float(torch.sqrt(sum(p.grad.double().square().sum() for p in mod.parameters())))
+           for name, mod in (("inp", model.inp), ("hidden", model.hidden), ("out", model.out))}
+    out["loss"] = float(loss)
+    return out
+
+
+class Collectives(TorchDispatchMode):
+    """Counts collective ops dispatched (c10d and functional collectives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "c10d" in name:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def no_snapshots() -> Any:
+    # FSDP2: the recovery layer's state scan reads DTensors on the host and fails (reported);
+    # these scenarios test capture and skip, so they run without snapshots.
+    from earlywarn.recover import RecoveryConfig
+
+    return RecoveryConfig(snapshot_every=0, rewind=False)
+
+
+def record(ew: Any) -> list[Any]:
+    seen: list[Any] = []
+    orig = ew.detector.observe
+    ew.detector.observe = lambda obs: (seen.append(obs), orig(obs))[1]
+    return seen
+
+
+def events(ew: Any) -> list[tuple]:
+    return [(e.step, str(e.kind), str(e.level), e.layers) for e in ew.events]
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    def loc(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+    out = [loc(p) for p in model.parameters()]
+    out += [loc(v) for p in model.parameters() for v in opt.state.get(p, {}).values() if torch.is_tensor(v)]
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------- scenarios
+def scenario_ddp_norms(rank: int, tmp: Path) -> dict[str, Any]:
+    import earlywarn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for report in (False, True):
+        torch.manual_seed(0)
+        ref = MLP().double()
+        model = copy.deepcopy(ref)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        ew = earlywarn.watch(ddp, opt, sinks=[])
+        seen = record(ew)
+        got, want, losses, ref_losses, collectives = [], [], [], [], []
+        for step in range(3):
+            want.append(reference_layer_norms(ref, step))
+            ref_losses.append(want[-1].pop("loss"))
+            ref_opt.step()
+            opt.zero_grad()
+            x, y = local_batch(step, rank)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            if report:
+                ew.report_loss(loss)
+            with Collectives() as c:
+                opt.step()
+            collectives.append(len(c.ops))
+            got.append({n.removeprefix("module."): float(v) for n, v in zip(ew.layer_names, seen[-1].layer_norms)})
+            losses.append(seen[-1].loss)
+        out[f"report={report}"] = {"got": got, "want": want, "collectives": collectives,
+                                  "reducer": ew._reducer.collectives, "losses": losses, "ref_losses": ref_losses}
+        ew.close()
+    return out
+
+
+def scenario_fsdp_norms(rank: int, tmp: Path) -> dict[str, Any]:
+    import earlywarn
+    from torch.distributed.fsdp import fully_shard
+
+    out: dict[str, Any] = {}
+    for name, make in (("foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
+                       ("fused", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))):
+        torch.manual_seed(0)
+        ref = MLP().double()
+        model = copy.deepcopy(ref)
+        for m in (model.inp, model.hidden, model.out, model):
+            fully_shard(m)
+        opt = make(model.parameters())
+        ref_opt = make(ref.parameters())
+        ew = earlywarn.watch(model, opt, sinks=[], recovery=no_snapshots())
+        seen = record(ew)
+        got, want, collectives = [], [], []
+        for step in range(3):
+            want.append(reference_layer_norms(ref, step))
+            want[-1].pop("loss")
+            ref_opt.step()
+            opt.zero_grad()
+            x, y = local_batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            with Collectives() as c:
+                opt.step()
+            collectives.append(c.ops)
+            got.append(dict(zip(ew.layer_names, map(float, seen[-1].layer_norms))))
+        out[name] = {"got": got, "want": want, "collectives": collectives, "sharded": ew._reducer.sharded}
+        ew.close()
+    return out
+
+
+def scenario_ddp_inf_rank1(rank: int, tmp: Path) -> dict[str, Any]:
+    """A bad sample on rank 1 only (its input holds an inf) and, separately, a gradient corrupted
+    on rank 1 after DDP's all-reduce (a hardware fault) with the loss reported."""
+    import earlywarn
+    from earlywarn.events import Kind
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for fault in ("input", "grad_after_reduce"):
+        torch.manual_seed(0)
+        ddp = DDP(MLP().double())
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        ew = earlywarn.watch(ddp, opt, sinks=[])
+        bit_identical = None
+        for step in range(5):
+            opt.zero_grad()
+            x, y = local_batch(step, rank)
+            if step == 2 and rank == 1 and fault == "input":
+                x[0, 0] = float("inf")
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            if fault == "grad_after_reduce":
+                ew.report_loss(loss)
+                if step == 2 and rank == 1:
+                    ddp.module.hidden.weight.grad[3, 5] = float("inf")
+            before = local_state(ddp.module, opt)
+            opt.step()
+            if step == 2:
+                bit_identical = same(before, local_state(ddp.module, opt))
+        out[fault] = {"skips": [e.step for e in ew.events if e.kind is Kind.SKIP],
+                      "events": events(ew), "bit_identical": bit_identical,
+                      "digest": digest(local_state(ddp.module, opt)),
+                      "finite": all(bool(torch.isfinite(t).all()) for t in local_state(ddp.module, opt))}
+        ew.close()
+    return out
+
+
+def scenario_fsdp_inf_rank1(rank: int, tmp: Path) -> dict[str, Any]:
+    """One inf in rank 1's local shard of a gradient; rank 0's shards are all finite."""
+    import earlywarn
+    from earlywarn.events import Kind
+    from torch.distributed.fsdp import fully_shard
+
+    out: dict[str, Any] = {}
+    for name, make in (("foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
+                       ("fused", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)),
+                       ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))):
+        torch.manual_seed(0)
+        model = MLP().double()
+        for m in (model.inp, model.hidden, model.out, model):
+            fully_shard(m)
+        opt = make(model.parameters())
+        ew = earlywarn.watch(model, opt, sinks=[], recovery=no_snapshots())
+        seen = record(ew)
+        bit_identical, counts = None, None
+        for step in range(5):
+            opt.zero_grad()
+            x, y = local_batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            if step == 2 and rank == 1:
+                model.hidden.weight.grad.to_local()[0, 0] = float("inf")
+            before = local_state(model, opt)
+            opt.step()
+            if step == 2:
+                bit_identical = same(before, local_state(model, opt))
+                counts = dict(zip(ew.layer_names, map(float, seen[-1].layer_nonfinite)))
+        full = [p.full_tensor() for p in model.parameters()]  # collective: every rank gets the whole model
+        out[name] = {"skips": [e.step for e in ew.events if e.kind is Kind.SKIP],
+                     "events": events(ew), "bit_identical": bit_identical, "counts": counts,
+                     "full_digest": digest(full),
+                     "finite": all(bool(torch.isfinite(t).all()) for t in local_state(model, opt))}
+        ew.close()
+    return out
+
+
+def scenario_rank_local_loss(rank: int, tmp: Path) -> dict[str, Any]:
+    """Rank 1 reports a loss 50x higher for a few steps (its gradients stay normal): every rank
+    must feed the detector the same numbers and take the same decisions."""
+    import earlywarn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from earlywarn.sinks.base import Sink
+
+    class Tracker(Sink):
+        name = "tracker"
+
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def log_metrics(self, step: int, metrics: Any) -> None:
+            self.steps.append(step)
+
+    tracker = Tracker()
+    torch.manual_seed(0)
+    ddp = DDP(MLP().double())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    ew = earlywarn.watch(ddp, opt, sinks=[tracker])
+    seen = record(ew)
+    skipped = []
+    for step in range(40):
+        opt.zero_grad()
+        x, y = local_batch(step % 4, rank)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        shown = loss * 50 if (rank == 1 and step >= 30) else loss
+        ew.report_loss(shown)
+        before = digest(local_state(ddp.module, opt))
+        opt.step()
+        skipped.append(before == digest(local_state(ddp.module, opt)))
+    out = {"losses": [o.loss for o in seen], "events": events(ew), "skipped": skipped,
+           "digest": digest(local_state(ddp.module, opt)), "collectives": ew._reducer.collectives,
+           "sinks": [sink.name for sink in ew.sinks], "tracked_steps": len(tracker.steps)}
+    ew.close()
+    return out
+
+
+def scenario_rewind(rank: int, tmp: Path) -> dict[str, Any]:
+    """Rank 1 draws a batch with a NaN in it (loss reported): the mean loss is NaN on every
+    rank, every rank rewinds to the same snapshot and skips the same data positions."""
+    import earlywarn
+    from earlywarn.events import Kind
+    from earlywarn.recover import RecoveryConfig
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import Subset, TensorDataset
+
+    g = torch.Generator().manual_seed(7)
+    data = TensorDataset(torch.randn(64, 8, generator=g, dtype=torch.float64),
+                         torch.randn(64, 1, generator=g, dtype=torch.float64))
+    loader = earlywarn.ResumableLoader(Subset(data, range(rank, 64, WORLD)), batch_size=4, seed=3)
+    torch.manual_seed(0)
+    ddp = DDP(MLP().double())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ew = earlywarn.watch(ddp, opt, loader=loader, sinks=[],
+                         recovery=RecoveryConfig(snapshot_every=4, clean_window=2, rewind_skip_batches=4,
+                                                 quarantine_path=str(tmp / f"quarantine{rank}.jsonl")))
+    positions, step = [], 0
+    for _epoch in range(2):
+        for x, y in loader:
+            if step == 10 and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")  # the loss is NaN (an inf input can leave it finite)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            ew.report_loss(loss)
+            opt.step()
+            positions.append(loader.position.to_dict())
+            step += 1
+    rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    out = {"positions": positions, "events": events(ew), "rewinds": [e.step for e in rewinds],
+           "rewind_messages": [e.message for e in rewinds],
+           "digest": digest(local_state(ddp.module, opt)),
+           "finite": all(bool(torch.isfinite(t).all()) for t in local_state(ddp.module, opt))}
+    ew.close()
+    return out
+
+
+def scenario_dcp(rank: int, tmp: Path) -> dict[str, Any]:
+    """Sharded state written with torch.distributed.checkpoint and read back in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    from earlywarn.distributed import dcp_checkpoint_fns
+    from earlywarn.recover._state import encode_safe
+    from earlywarn.recover.checkpoint import FORMAT, VERSION, load_checkpoint
+    from earlywarn.recover.snapshot import capture_state, restore_state
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    for m in (model.inp, model.hidden, model.out, model):
+        fully_shard(m)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = local_batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    train(range(2))
+    saved = local_state(model, opt)
+    save_fn, load_fn = dcp_checkpoint_fns(model, opt)
+    state = capture_state(2, model=model, optimizer=opt, data={"epoch": 0, "batch_index": 2 + rank}).wait()
+    payload = {"format": FORMAT, "version": VERSION, "step": 2, "clean": True, "reason": "periodic",
+               "state": encode_safe(state)}
+    path = tmp / "dcp-ckpt"
+    save_fn(payload, str(path))
+    dist.barrier()
+    train(range(2, 4))
+    moved = not same(saved, local_state(model, opt))
+    loaded = load_checkpoint(path, load_fn=load_fn)
+    restore_state(loaded["state"], model=model, optimizer=opt)
+    files = sorted(p.name for p in path.iterdir())
+    sharded = [type(v).__name__ for v in loaded["state"]["model"].values()]
+    return {"moved": moved, "restored": same(saved, local_state(model, opt)), "files": files,
+            "data": loaded["state"]["data"], "step": loaded["step"], "sharded": sharded}
+
+
+SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
+    "ddp_norms": scenario_ddp_norms,
+    "fsdp_norms": scenario_fsdp_norms,
+    "ddp_inf_rank1": scenario_ddp_inf_rank1,
+    "fsdp_inf_rank1": scenario_fsdp_inf_rank1,
+    "rank_local_loss": scenario_rank_local_loss,
+    "rewind": scenario_rewind,
+    "dcp": scenario_dcp,
+}
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    try:
+        for name, fn in SCENARIOS.items():
+            try:
+                results[name] = fn(rank, Path(tmp))
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, Path(tmp) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.start_processes(_worker, args=(_free_port(), str(tmp)), nprocs=WORLD, start_method="spawn", join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def get(results: list[dict[str, Any]], name: str) -> list[Any]:
+    per_rank = [r[name] for r in results]
+    for r, res in enumerate(per_rank):
+        if isinstance(res, dict) and "error" in res:
+            pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
+    return per_rank
+
+
+# ---------------------------------------------------------------------------------------- tests
+def assert_norms(got: list[dict[str, float]], want: list[dict[str, float]]) -> None:
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-6), k
+
+
+def test_ddp_layer_norms_equal_single_process_with_no_collective(results):
+    for res in get(results, "ddp_norms"):
+        r = res["report=False"]
+        assert_norms(r["got"], r["want"])
+        assert r["collectives"] == [0, 0, 0] and r["reducer"] == 0  # DDP already reduced the grads
+
+
+def test_ddp_reported_loss_is_averaged_in_one_allreduce(results):
+    per_rank = get(results, "ddp_norms")
+    for res in per_rank:
+        r = res["report=True"]
+        assert_norms(r["got"], r["want"])
+        assert r["collectives"] == [1, 1, 1] and r["reducer"] == 3
+        # both halves have the same size: the mean of the ranks' losses is the global-batch loss
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-9)
+    assert per_rank[0]["report=True"]["losses"] == per_rank[1]["report=True"]["losses"]
+
+
+@pytest.mark.parametrize("optimizer", ["foreach", "fused"])
+def test_fsdp2_layer_norms_equal_single_process_with_one_allreduce(results, optimizer):
+    for res in get(results, "fsdp_norms"):
+        r = res[optimizer]
+        assert r["sharded"]
+        assert_norms(r["got"], r["want"])
+        # one all-reduce of one small vector per step, nothing per parameter
+        assert r["collectives"] == [["c10d.allreduce_.default"]] * 3
+
+
+@pytest.mark.parametrize("fault", ["input", "grad_after_reduce"])
+def test_ddp_inf_on_rank1_only_both_ranks_skip_and_stay_identical(results, fault):
+    r0, r1 = (res[fault] for res in get(results, "ddp_inf_rank1"))
+    assert r0["skips"] == r1["skips"] == [2]
+    assert r0["bit_identical"] and r1["bit_identical"]
+    assert r0["events"] == r1["events"]
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+    if fault == "grad_after_reduce":  # rank 0's copy was finite; both ranks still name the layer
+        assert [e[3] for e in r0["events"] if e[1] == "skip"] == [("module.hidden",)]
+
+
+@pytest.mark.parametrize("optimizer", ["foreach", "fused", "sgd"])
+def test_fsdp2_inf_in_rank1_shard_both_ranks_skip(results, optimizer):
+    r0, r1 = (res[optimizer] for res in get(results, "fsdp_inf_rank1"))
+    assert r0["skips"] == r1["skips"] == [2]
+    assert r0["bit_identical"] and r1["bit_identical"]  # nobody's shard moved
+    assert r0["events"] == r1["events"]
+    # the global count: rank 0's shard of `hidden` was finite, yet both ranks count the one inf
+    assert r0["counts"] == r1["counts"] and r0["counts"]["hidden"] == 1.0
+    assert sum(r0["counts"].values()) == 1.0
+    assert r0["full_digest"] == r1["full_digest"] and r0["finite"] and r1["finite"]
+
+
+def test_rank_local_loss_gives_identical_decisions(results):
+    r0, r1 = get(results, "rank_local_loss")
+    assert r0["losses"] == r1["losses"]  # bit for bit: the same vector on both ranks
+    assert r0["events"] == r1["events"]
+    assert r0["skipped"] == r1["skipped"]
+    assert r0["digest"] == r1["digest"]
+    assert r0["collectives"] == 40
+    # only rank 0 talks to trackers
+    assert r0["sinks"] == ["tracker"] and r0["tracked_steps"] == 40
+    assert r1["sinks"] == [] and r1["tracked_steps"] == 0
+    # rank 1's inflated loss reached the detector as the mean of the two ranks
+    late = np.array(r0["losses"][30:])
+    early = np.array(r0["losses"][26:30])
+    assert late.mean() > 10 * early.mean()
+
+
+def test_rewind_on_both_ranks_resumes_the_same_data_positions(results):
+    r0, r1 = get(results, "rewind")
+    assert r0["rewinds"] == r1["rewinds"] == [10], (r0["events"], r0["rewind_messages"])
+    assert r0["events"] == r1["events"]
+    assert r0["positions"] == r1["positions"]
+    # restored to step 8, whose next batch was epoch 1 batch 1; rewind_skip_batches=4 moves both
+    # ranks' loaders to epoch 1 batch 5 (batches 1-4 quarantined)
+    assert r0["positions"][9] == {"epoch": 1, "batch_index": 2}
+    assert r0["positions"][10] == {"epoch": 1, "batch_index": 5}
+    assert "epoch 1 batches 1-4" in r0["rewind_messages"][0] and r0["rewind_messages"] == r1["rewind_messages"]
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_dcp_round_trip_of_sharded_state(results):
+    for rank, r in enumerate(get(results, "dcp")):
+        assert r["moved"] and r["restored"]
+        assert r["step"] == 2 and r["data"] == {"epoch": 0, "batch_index": 2 + rank}  # each rank's own
+        assert set(r["sharded"]) == {"DTensor"}
+        assert ".metadata" in r["files"] and "earlywarn.rank0.pt" in r["files"] and "earlywarn.rank1.pt" in r["files"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_fns_plug_into_the_checkpoint_manager(tmp_path):
+    # One process (no process group): the same pair works as CheckpointManager's save_fn/load_fn,
+    # through its temp-directory-and-rename protocol, and the checkpoint loads with weights_only.
+    from earlywarn.distributed import dcp_checkpoint_fns
+    from earlywarn.recover.checkpoint import CheckpointManager
+    from earlywarn.recover.snapshot import capture_state, restore_state
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = local_batch(step, 0)
+        nn.functional.mse_loss(model(x.float()), y.float()).backward()
+        opt.step()
+    saved = local_state(model, opt)
+    save_fn, load_fn = dcp_checkpoint_fns(model, opt)
+    manager = CheckpointManager(tmp_path / "ckpt", save_fn=save_fn, load_fn=load_fn)
+    state = capture_state(2, model=model, optimizer=opt, data={"epoch": 0, "batch_index": 2},
+                          extra={"counts": _Stateful({"hist": np.arange(3.0)})})
+    path = manager.save(state, 2)
+    assert Path(path).is_dir() and (Path(path) / "earlywarn.rank0.pt").exists()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    restored = manager.load(manager.latest())
+    restore_state(restored["state"], model=model, optimizer=opt)
+    assert same(saved, local_state(model, opt))
+    assert restored["state"]["data"] == {"epoch": 0, "batch_index": 2}
+    np.testing.assert_array_equal(restored["state"]["extra"]["counts"]["hist"], np.arange(3.0))
+
+
+class _Stateful:
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state

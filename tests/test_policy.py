@@ -1,0 +1,136 @@
+"""Policy: alerts -> actions with hysteresis, cooldowns, rate limits; config validation; state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from earlywarn.events import Event, Kind, Level
+from earlywarn.policy import Action, Policy, PolicyConfig
+
+LEVEL = {Kind.NONFINITE_GRAD: Level.CRITICAL, Kind.COLLAPSE_RISK: Level.WARNING,
+         Kind.LOSS_NONFINITE: Level.CRITICAL, Kind.LOSS_DIVERGED: Level.CRITICAL,
+         Kind.GRAD_SPIKE: Level.INFO, Kind.SCALER_OVERFLOW: Level.INFO}
+
+
+def ev(step: int, kind: Kind) -> Event:
+    return Event(step=step, kind=kind, level=LEVEL[kind], message=f"{kind} at {step}")
+
+
+def run(policy: Policy, script: dict[int, list[Kind]], steps: int) -> dict[int, list[Action]]:
+    out = {}
+    for s in range(steps):
+        acts = policy.decide(s, [ev(s, k) for k in script.get(s, [])])
+        if acts:
+            out[s] = acts
+    return out
+
+
+def test_defaults_map_each_alert_to_its_documented_action():
+    p = Policy()
+    assert p.decide(0, []) == []
+    assert p.decide(1, [ev(1, Kind.GRAD_SPIKE)]) == []
+    assert p.decide(2, [ev(2, Kind.SCALER_OVERFLOW)]) == []
+    assert p.decide(3, [ev(3, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
+    assert p.decide(4, [ev(4, Kind.COLLAPSE_RISK)]) == [Action.CHECKPOINT]
+    assert p.decide(5, [ev(5, Kind.LOSS_DIVERGED)]) == [Action.REWIND]
+    assert "rewind" in p.last_reasons[0] and "loss_diverged" in p.last_reasons[0]
+
+
+def test_nonfinite_streak_turns_skips_into_a_rewind_then_starts_over():
+    p = Policy()
+    acts = run(p, {s: [Kind.NONFINITE_GRAD] for s in range(10, 15)}, 15)
+    assert acts[10] == [Action.SKIP] and acts[11] == [Action.SKIP]
+    assert acts[12] == [Action.REWIND, Action.SKIP]  # most drastic first
+    assert acts[13] == [Action.SKIP] and acts[14] == [Action.SKIP]
+    # the streak restarted at the rewind; the next rewind would be inside the cooldown
+    assert p.decide(15, [ev(15, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
+    assert any("no rewind" in r and "cooldown" in r for r in p.last_reasons)
+
+
+def test_warning_checkpoints_have_cooldown_hysteresis_and_a_rate_limit():
+    cfg = PolicyConfig(checkpoint_cooldown=10, checkpoint_rearm=5, max_checkpoints=3, checkpoint_window=1000)
+    p = Policy(cfg)
+    # a warning every 3 steps: after the first checkpoint it never stays quiet for 5 steps
+    acts = run(p, {s: [Kind.COLLAPSE_RISK] for s in range(0, 60, 3)}, 60)
+    assert [s for s, a in acts.items() if Action.CHECKPOINT in a] == [0]
+    # quiet periods re-arm, the cooldown spaces them, the rate limit caps them
+    p = Policy(cfg)
+    script = {s: [Kind.COLLAPSE_RISK] for s in (0, 4, 20, 40)}
+    acts = run(p, script, 60)
+    assert [s for s, a in acts.items() if Action.CHECKPOINT in a] == [0, 20, 40]
+    assert p.decide(60, [ev(60, Kind.COLLAPSE_RISK)]) == []
+    assert any("rate limit" in r for r in p.last_reasons)
+    p2 = Policy(cfg)
+    run(p2, {0: [Kind.COLLAPSE_RISK]}, 5)
+    assert p2.decide(5, [ev(5, Kind.COLLAPSE_RISK)]) == []
+    assert "cooldown" in p2.last_reasons[0]
+
+
+def test_too_many_rewinds_within_the_window_halt_the_run():
+    cfg = PolicyConfig(rewind_cooldown=5, max_rewinds=3, rewind_window=100)
+    p = Policy(cfg)
+    acts = run(p, {s: [Kind.LOSS_DIVERGED] for s in (10, 12, 20, 30, 40)}, 50)
+    assert acts[10] == [Action.REWIND]
+    assert 12 not in acts  # inside the cooldown
+    assert acts[20] == [Action.REWIND] and acts[30] == [Action.REWIND]
+    assert acts[40] == [Action.HALT]
+    # outside the window, rewinds are allowed again
+    p = Policy(cfg)
+    acts = run(p, {s: [Kind.LOSS_NONFINITE] for s in (0, 50, 100, 160)}, 170)
+    assert all(acts[s] == [Action.REWIND] for s in (0, 50, 100, 160))
+
+
+def test_configured_actions_and_none():
+    p = Policy(PolicyConfig(on_collapse_risk="skip", on_loss_diverged=Action.HALT, on_nonfinite_grad="none",
+                            rewind_after_nonfinite=0))
+    assert p.decide(0, [ev(0, Kind.COLLAPSE_RISK)]) == [Action.SKIP]
+    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]) == [Action.HALT]
+    for s in range(2, 10):
+        assert p.decide(s, [ev(s, Kind.NONFINITE_GRAD)]) == []
+    # action events (the guard's own records) are not inputs
+    assert p.decide(10, [Event(step=10, kind=Kind.REWIND, level=Level.WARNING, message="rewound")]) == []
+
+
+def test_config_validation_names_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"on_collapse_risk='restart'.*checkpoint"):
+        PolicyConfig(on_collapse_risk="restart")
+    with pytest.raises(ValueError, match=r"max_rewinds=-1.*>= 0"):
+        PolicyConfig(max_rewinds=-1)
+    with pytest.raises(ValueError, match=r"rewind_window=0"):
+        PolicyConfig(rewind_window=0)
+    with pytest.raises(ValueError, match=r"checkpoint_cooldown=1.5"):
+        PolicyConfig(checkpoint_cooldown=1.5)
+    cfg = PolicyConfig(on_grad_spike="checkpoint")
+    assert cfg.on_grad_spike is Action.CHECKPOINT
+    assert PolicyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="unknown field"):
+        PolicyConfig.from_dict({"max_rewind": 3})
+
+
+def test_state_dict_round_trip_mid_run_gives_the_same_decisions():
+    script = {}
+    for s in range(0, 400, 7):
+        script[s] = [Kind.COLLAPSE_RISK]
+    for s in (50, 51, 52, 53, 120, 200, 230, 260, 300):
+        script.setdefault(s, []).append(Kind.NONFINITE_GRAD if s < 60 else Kind.LOSS_DIVERGED)
+    cfg = PolicyConfig(checkpoint_cooldown=30, checkpoint_rearm=0, rewind_cooldown=10, rewind_window=150)
+    whole = run(Policy(cfg), script, 400)
+    for cut in (1, 52, 121, 255):
+        first = Policy(cfg)
+        got = run(first, {s: k for s, k in script.items() if s < cut}, cut)
+        second = Policy(cfg)
+        second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        for s in range(cut, 400):
+            acts = second.decide(s, [ev(s, k) for k in script.get(s, [])])
+            if acts:
+                got[s] = acts
+        assert got == whole, cut
+    assert any(Action.HALT in a for a in whole.values())
+
+
+def test_action_parse_and_str():
+    assert Action.parse("Rewind") is Action.REWIND and str(Action.HALT) == "halt"
+    with pytest.raises(ValueError, match="unknown action"):
+        Action.parse("pause")

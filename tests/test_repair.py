@@ -1,0 +1,236 @@
+"""Repair of poisoned parameters / optimizer state, with real training before and after."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from earlywarn.events import Kind
+from earlywarn.recover import Recovery, RecoveryConfig, repair_optimizer_state, scan_state
+
+torch.set_num_threads(1)
+
+STEPS, BAD_STEP, SNAP_EVERY = 80, 30, 10
+
+
+def make_data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(STEPS, 16, 6, generator=g)
+    w = torch.randn(6, 1, generator=g)
+    y = torch.sin(x @ w) + 0.05 * torch.randn(STEPS, 16, 1, generator=g)
+    return x, y
+
+
+def make_model(seed: int = 1) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def eval_loss(model, x, y) -> float:
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x.reshape(-1, 6)), y.reshape(-1, 1)))
+
+
+def train(mode: str, opt_name: str = "adam"):
+    """mode: "clean" (no corruption), "clean_skip" (the bad step is not applied), "unguarded"
+    (the inf gradient coordinate goes through the optimizer), "repaired" (unguarded, then
+    Recovery.repair)."""
+    x, y = make_data()
+    model = make_model()
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if opt_name == "adam"
+           else torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9))
+    events = []
+    rec = Recovery(model, opt, RecoveryConfig(snapshot_every=SNAP_EVERY), emit=events.append)
+    losses, report = [], None
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[step - 1]), y[step - 1])
+        loss.backward()
+        losses.append(loss.item())
+        if step == BAD_STEP and mode != "clean":
+            if mode == "clean_skip":
+                rec.after_step(step, clean=False)
+                continue
+            model[0].weight.grad[3, 2] = math.inf  # one corrupted gradient coordinate
+        opt.step()
+        if step == BAD_STEP and mode == "repaired":
+            report = rec.repair(step)
+        rec.after_step(step, clean=step < BAD_STEP or step > BAD_STEP + 20)
+    return model, opt, losses, eval_loss(model, x, y), report, events
+
+
+def all_finite(model, opt) -> bool:
+    return scan_state(model, opt).clean
+
+
+def test_unguarded_inf_step_poisons_adam_and_repair_recovers_close_to_a_clean_run():
+    _, _, _, clean_final, _, _ = train("clean_skip")
+    _, _, _, uncorrupted_final, _, _ = train("clean")
+    m_u, o_u, losses_u, final_u, _, _ = train("unguarded")
+    # the control: without repair the poison spreads and training is lost
+    assert not math.isfinite(final_u) and not all_finite(m_u, o_u)
+
+    model, opt, losses, final, report, events = train("repaired")
+    assert report is not None and report.ok and not report.needs_rewind
+    found = {(f.name, f.key): f.nonfinite for f in report.scan.flags}
+    assert found == {("0.weight", None): 1, ("0.weight", "exp_avg"): 1, ("0.weight", "exp_avg_sq"): 1}
+    done = {(a.name, a.key): a.action for a in report.repaired}
+    assert done == {("0.weight", None): "snapshot", ("0.weight", "exp_avg"): "zero",
+                    ("0.weight", "exp_avg_sq"): "finite_max"}
+    assert all(math.isfinite(v) for v in losses)
+    assert all_finite(model, opt)
+    assert abs(final - clean_final) / clean_final < 0.02
+    assert abs(final - uncorrupted_final) / uncorrupted_final < 0.005
+    assert [e.kind for e in events].count(Kind.REPAIR) == 1
+
+
+def test_sgd_momentum_is_repaired_too():
+    # vs the run without the corrupted coordinate (skipping the whole step costs SGD ~4% here)
+    _, _, _, clean_final, _, _ = train("clean", "sgd")
+    model, opt, losses, final, report, _ = train("repaired", "sgd")
+    assert {(a.key, a.action) for a in report.repaired} == {(None, "snapshot"), ("momentum_buffer", "zero")}
+    assert all(math.isfinite(v) for v in losses) and all_finite(model, opt)
+    assert abs(final - clean_final) / clean_final < 0.005
+
+
+def test_reset_values_per_state_kind_and_nothing_else_touched():
+    x, y = make_data()
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+    for step in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        opt.step()
+    p = model[2].weight
+    st = opt.state[p]
+    st["exp_avg_sq"][0, 4] = math.nan      # state-only poisoning: the parameter is still finite
+    st["max_exp_avg_sq"][0, 7] = math.inf
+    before = {k: v.clone() for k, v in st.items()}
+    params_before = [q.clone() for q in model.parameters()]
+
+    scan = scan_state(model, opt)
+    assert scan.state_poisoned and not scan.params_poisoned and scan.first_layer == "2.weight"
+    report = repair_optimizer_state(opt, scan, model=model)
+    assert report.ok
+    mask = torch.zeros_like(p, dtype=torch.bool)
+    mask[0, 4] = mask[0, 7] = True  # the union over m, v, max_v of this parameter
+    fin_v = before["exp_avg_sq"][torch.isfinite(before["exp_avg_sq"]) & ~mask]
+    fin_mv = before["max_exp_avg_sq"][torch.isfinite(before["max_exp_avg_sq"]) & ~mask]
+    assert torch.all(st["exp_avg"][mask] == 0)
+    assert torch.all(st["exp_avg_sq"][mask] == fin_v.max())
+    assert torch.all(st["max_exp_avg_sq"][mask] == fin_mv.max())
+    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        assert torch.equal(st[k][~mask], before[k][~mask])
+    assert torch.equal(st["step"], before["step"])  # step unchanged
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params_before))
+
+    # training goes on finite (without the repair the next step writes NaN into the parameter)
+    for step in range(5, 15):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        loss.backward()
+        opt.step()
+        assert math.isfinite(loss.item())
+    assert all_finite(model, opt)
+
+
+def test_params_without_snapshot_ask_for_rewind_and_unknown_keys_are_reported():
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = make_data()
+    torch.nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    opt.step()
+    with torch.no_grad():
+        model[0].bias[1] = math.nan
+    opt.state[model[0].bias]["custom_trace"] = torch.tensor([math.inf, 1.0])
+    report = repair_optimizer_state(opt, scan_state(model, opt), model=model)
+    assert not report.ok and report.needs_rewind
+    reasons = {(a.name, a.key): a.reason for a in report.unrepaired}
+    assert "no clean snapshot" in reasons[("0.bias", None)]
+    assert "custom_trace" in reasons[("0.bias", "custom_trace")]
+    assert "rewind" in report.summary()
+
+
+def test_too_many_poisoned_parameters_are_not_patched_from_an_old_snapshot():
+    x, y = make_data()
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec = Recovery(model, opt, RecoveryConfig(snapshot_every=1, repair_max_param_fraction=0.01))
+    torch.nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    opt.step()
+    rec.after_step(1, clean=True)
+    with torch.no_grad():
+        model[0].weight.fill_(math.nan)  # 192 of 257 elements: a rewind, not a patch
+    report = rec.repair(2)
+    assert report.needs_rewind and any("max_param_fraction" in (a.reason or "") for a in report.unrepaired)
+
+
+def test_reset_state_false_copies_state_from_the_snapshot():
+    x, y = make_data()
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec = Recovery(model, opt, RecoveryConfig(snapshot_every=1, repair_reset_state=False))
+    for step in range(1, 4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        opt.step()
+        rec.after_step(step, clean=True)
+    snap_v = rec.ring.latest().state["optimizer"]["state"][0]["exp_avg_sq"][1, 1].item()
+    opt.state[model[0].weight]["exp_avg_sq"][1, 1] = math.inf
+    report = rec.repair(4)
+    assert report.ok
+    assert {(a.key, a.action) for a in report.repaired} == {("exp_avg_sq", "snapshot"), ("exp_avg", "snapshot")}
+    assert opt.state[model[0].weight]["exp_avg_sq"][1, 1].item() == snap_v
+
+
+def test_poisoned_state_is_never_snapshotted_as_clean():
+    x, y = make_data()
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    events = []
+    rec = Recovery(model, opt, RecoveryConfig(snapshot_every=2), emit=events.append)
+    for step in range(1, 4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        opt.step()
+        rec.after_step(step, clean=True)
+    assert [s.step for s in rec.ring.entries] == [1, 3]
+    opt.state[model[2].weight]["exp_avg"][0, 0] = math.nan  # nobody noticed
+    rec.after_step(5, clean=True)
+    assert [s.step for s in rec.ring.entries] == [1, 3]  # no snapshot of poisoned state
+    assert [e.kind for e in events] == [Kind.REPAIR] and all_finite(model, opt)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_watch_one_inf_coordinate_keeps_everything_finite_and_matches_a_clean_skip(fused):
+    import earlywarn
+
+    def run(watched: bool):
+        x, y = make_data()
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+        ew = earlywarn.watch(model, opt, sinks=[]) if watched else None
+        finite_always = True
+        for step in range(1, STEPS + 1):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x[step - 1]), y[step - 1])
+            loss.backward()
+            if ew is not None:
+                ew.report_loss(loss)
+            if step == BAD_STEP:
+                if not watched:
+                    continue  # the clean run skips the same batch
+                model[0].weight.grad[3, 2] = math.inf
+            opt.step()
+            finite_always &= scan_state(model, opt).clean
+        return eval_loss(model, x, y), finite_always, ew
+
+    clean_final, _, _ = run(watched=False)
+    final, finite_always, ew = run(watched=True)
+    assert finite_always
+    assert abs(final - clean_final) / clean_final < 0.02
+    assert ew.counters["skipped_steps"] == 1 and ew.counters["rewinds"] == 0
+    skips = [e for e in ew.events if e.kind == Kind.SKIP]
+    assert len(skips) == 1 and skips[0].layers == ("0",)  # the first Linear (grouped per module)
