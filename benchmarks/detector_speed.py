@@ -84,12 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     m2, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 
+    # how fast is this core right now? (shared / oversubscribed machines vary 2-3x)
+    import timeit
+
+    ref = np.ones(a.layers + 4)
+    t_add = min(timeit.repeat(lambda: ref + ref, number=20000, repeat=5)) / 20000 * 1e9
+
     us = 1e6 * best_cpu / a.steps
     print(f"{a.steps:,} steps x {a.layers} layers, one core: {best_cpu:.2f} s CPU "
           f"({us:.1f} us/step), {best_wall:.2f} s wall (best of {a.repeat}); "
           f"{n_alerts} alerts ({n_warn} warning or worse)")
     print(f"memory after {quarter:,} steps {m1 / 1024:.1f} KiB, after {a.steps:,} steps {m2 / 1024:.1f} KiB "
           f"(growth {(m2 - m1) / 1024:+.1f} KiB); building the observations took {t_build:.2f} s")
+    print(f"reference: one numpy add of {a.layers + 4} floats takes {t_add:.0f} ns on this core now "
+          f"(~250 ns on an idle modern core); a step costs {1000 * us / t_add:.0f} such adds")
     return 0
 
 

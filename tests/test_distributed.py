@@ -78,6 +78,13 @@ class Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def recovery_in(tmp: Path, rank: int) -> Any:
+    # Defaults, but a rewind's quarantine list goes to the test's directory, not the cwd.
+    from earlywarn.recover import RecoveryConfig
+
+    return RecoveryConfig(quarantine_path=str(tmp / f"quarantine.rank{rank}.jsonl"))
+
+
 def no_snapshots() -> Any:
     # FSDP2: the recovery layer's state scan reads DTensors on the host and fails (reported);
     # these scenarios test capture and skip, so they run without snapshots.
@@ -130,7 +137,7 @@ def scenario_ddp_norms(rank: int, tmp: Path) -> dict[str, Any]:
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        ew = earlywarn.watch(ddp, opt, sinks=[])
+        ew = earlywarn.watch(ddp, opt, sinks=[], recovery=recovery_in(tmp, rank))
         seen = record(ew)
         got, want, losses, ref_losses, collectives = [], [], [], [], []
         for step in range(3):
@@ -199,7 +206,7 @@ def scenario_ddp_inf_rank1(rank: int, tmp: Path) -> dict[str, Any]:
         torch.manual_seed(0)
         ddp = DDP(MLP().double())
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        ew = earlywarn.watch(ddp, opt, sinks=[])
+        ew = earlywarn.watch(ddp, opt, sinks=[], recovery=recovery_in(tmp, rank))
         bit_identical = None
         for step in range(5):
             opt.zero_grad()
@@ -283,7 +290,7 @@ def scenario_rank_local_loss(rank: int, tmp: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     ddp = DDP(MLP().double())
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    ew = earlywarn.watch(ddp, opt, sinks=[tracker])
+    ew = earlywarn.watch(ddp, opt, sinks=[tracker], recovery=recovery_in(tmp, rank))
     seen = record(ew)
     skipped = []
     for step in range(40):

@@ -306,6 +306,7 @@ class Detector:
                     # winsorise in z (fmin/fmax turn NaN, the absent channels, into a finite
                     # bound that then meets a rate of 0)
                     mu += stats[RATE_M] * (np.fmin(np.fmax(z, k.neg_admit), k.admit) * sc)
+                    # the floor applies to what enters: a rounding logger's zeros count as the floor
                     sc += stats[SRATE_M] * (np.fmax(np.fmin(az, k.admit) * sc, k.min_scale) - sc)
                     calm = state.calm + 1 if state.calm < (1 << 30) else state.calm
                     new_scale = state.loss_scale if loss_scale is None else float(loss_scale)
@@ -370,6 +371,7 @@ class Detector:
             d = np.where(first, dev, np.fmin(np.fmax(dev, -lim), lim))
             r = 1.0 / (cnt + 1.0)
             mu += np.where(adm, np.maximum(cfg.alpha, r) * d, 0.0)
+            # the floor applies to what enters: a rounding logger's zeros count as the floor
             v = np.fmin(np.fmax(np.abs(dev), k.min_scale), lim)
             sc += np.where(adm & ~first, np.maximum(cfg.scale_alpha, r) * (v - sc), 0.0)
             cnt += adm & (cnt < self._mature_n)
