@@ -20,7 +20,9 @@ Scoring
   alarm), and any firing of a peer rule. An alarm in ``[t - H, t - 1]`` (H = 25 steps) detects
   the collapse with lead ``t - first alarm``; alarms earlier than ``t - H`` and every alarm of a
   healthy run are false alarms, counted as onsets (an alarm with no alarm in the 10 steps before
-  it) per 10,000 healthy steps (steps before ``t - H``, or all steps of a healthy run). The
+  it) per 10,000 healthy steps (steps before ``t - H``, or all steps of a healthy run). The last
+  column restricts that to the runs meant to be healthy (the ``healthy`` and ``badbatch`` groups
+  and llm.c), leaving out the LR-sweep runs that thrash without collapsing. The
   BLOOM-176B snippet is given its run's typical grad norm (0.2) as a prior baseline, as the issue
   specifies; the peers have no such notion and see the lines as they are.
 

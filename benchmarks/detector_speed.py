@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{n_alerts} alerts ({n_warn} warning or worse)")
     print(f"memory after {quarter:,} steps {m1 / 1024:.1f} KiB, after {a.steps:,} steps {m2 / 1024:.1f} KiB "
           f"(growth {(m2 - m1) / 1024:+.1f} KiB); building the observations took {t_build:.2f} s")
-    print(f"reference: one numpy add of {a.layers + 4} floats takes {t_add:.0f} ns on this core now "
-          f"(~250 ns on an idle modern core); a step costs {1000 * us / t_add:.0f} such adds")
+    print(f"reference: one numpy add of {a.layers + 4} floats takes {t_add:.0f} ns on this core now; "
+          f"a step costs {1000 * us / t_add:.0f} such adds (scale by your machine's add time)")
     return 0
 
 

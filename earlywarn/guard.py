@@ -545,22 +545,23 @@ class Watcher:
     def _emit_skip(self, tag: _Tag, decision: "_Decision") -> None:
         obs = decision.obs
         bad = self._bad_layers(obs)
-        where = f"from {_describe_batch(tag.batch)}" if tag.batch is not None else ""
         if bad:
-            count = int(np.nansum(obs.layer_nonfinite)) if obs.layer_nonfinite is not None else 0
             what = f"non-finite gradient in {bad[0]!r} (first in backward order; {len(bad)} layer(s)"
-            what += f", {count} element(s))" if tag.counts is not None else ")"
+            if tag.counts is not None:
+                what += f", {int(np.nansum(obs.layer_nonfinite))} element(s)"
+            what += ")"
         else:
             what = "gradient spike"
+        # Without a restorable loader the batch is known only by its position in the step count.
+        batch = _describe_batch(tag.batch) if tag.batch is not None else f"batch #{tag.step} (counting optimizer steps)"
         if self.scaler is not None and decision.nonfinite:
-            action = "GradScaler skipped the step (loss-scale overflow or bad batch)"
+            action = "GradScaler skipped the step (loss-scale overflow or a bad batch)"
         else:
-            action = "optimizer step skipped: params and optimizer state untouched"
-        msg = f"{what} {where}: {action}".replace("  ", " ")
+            action = "optimizer step skipped, params and optimizer state untouched"
         self._emit(Event(step=tag.step, kind=Kind.SKIP, level=Level.CRITICAL if decision.nonfinite else Level.WARNING,
-                         message=msg, signal="grad_norm", layers=tuple(bad),
+                         message=f"{what} from {batch}: {action}", signal="grad_norm", layers=tuple(bad),
                          values={"grad_norm": obs.grad_norm if obs.grad_norm is not None else math.nan},
-                         batch=_batch_index(tag.batch)))
+                         batch=_batch_index(tag.batch) if tag.batch is not None else tag.step))
 
     def _bad_layers(self, obs: Observation) -> list[str]:
         if obs.layer_nonfinite is None:

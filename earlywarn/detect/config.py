@@ -113,8 +113,8 @@ class DetectorConfig:
     """... for this many consecutive steps."""
 
     rearm_steps: int = 10
-    """Calm steps (no signal elevated) after which a new warning episode may start; within an
-    episode a warning is raised once."""
+    """Calm steps (no signal elevated or drifting) after which a new warning episode may start;
+    within an episode a warning is raised once."""
 
     readapt_steps: int = 100
     """A signal elevated this many steps in a row without being non-finite is taken as the new
@@ -137,6 +137,8 @@ class DetectorConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(name, "use an int")
+        if not isinstance(self.layer_drift, bool):
+            bad("layer_drift", "use True or False")
         for name in ("alpha", "scale_alpha"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 < v <= 1.0):

@@ -288,7 +288,7 @@ class Detector:
         if (state.fast and pattern == state.pattern and not obs.skipped and not state.scale_pending
                 and (loss_scale is None or not loss_scale < state.loss_scale)
                 and (lnf is None or not np.count_nonzero(lnf))):
-            k = self._k(n)
+            k = self._consts.get(n) or self._k(n)
             stats = state.stats.copy()
             mu, sc = stats[MU], stats[SCALE]
             # a zero norm gives log(tiny) = -690: |z| huge sends the step to the general path,
@@ -310,7 +310,7 @@ class Detector:
                     sc += stats[SRATE_M] * (np.fmax(np.fmin(az, k.admit) * sc, k.min_scale) - sc)
                     calm = state.calm + 1 if state.calm < (1 << 30) else state.calm
                     new_scale = state.loss_scale if loss_scale is None else float(loss_scale)
-                    return [], DetectorState._make((
+                    return [], tuple.__new__(DetectorState, (
                         int(obs.step), state.channels, stats, dev, pattern, state.n_absent, True,
                         False, -1, -1, -1, 0.0, -1, False, calm,
                         state.warn_armed or calm >= self.cfg.rearm_steps,
