@@ -15,7 +15,10 @@ Layout of one checkpoint directory:
   pickle non-tensor values and unpickle them on load, which earlywarn never does.
 
 Both functions are collectives when ``torch.distributed`` is initialised: every rank calls them
-with the same ``path``.
+with the same ``path``. The pair from :func:`dcp_checkpoint_fns` says so (``save_fn.collective``
+is ``True``), so ``CheckpointManager`` / ``RecoveryConfig(checkpoint_dir=..., save_fn=...,
+load_fn=...)`` write one shared checkpoint per step: every rank its part into one temp
+directory, rank 0 alone renames it into place (``earlywarn.recover.checkpoint``).
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def dcp_load(path: str | os.PathLike[str], templates: Callable[[list[Any]], torc
 def dcp_checkpoint_fns(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[Callable[[dict[str, Any], str], None], Callable[[str], dict[str, Any]]]:
-    """``(save_fn, load_fn)`` for :class:`earlywarn.RecoveryConfig` / ``CheckpointManager``.
+    """``(save_fn, load_fn)`` for :class:`earlywarn.RecoveryConfig` / ``CheckpointManager``,
+    marked collective (``fn.collective = True``): every rank calls them with the same path.
 
     Sharded tensors found under ``state/model`` are laid out like ``model.state_dict()``;
     under ``state/optimizer/state/<i>`` like the optimizer's live state, or like its ``i``-th
@@ -189,4 +193,6 @@ def dcp_checkpoint_fns(
     def load_fn(path: str) -> dict[str, Any]:
         return dcp_load(path, templates_for_live_state())
 
+    save_fn.collective = True  # type: ignore[attr-defined]
+    load_fn.collective = True  # type: ignore[attr-defined]
     return save_fn, load_fn

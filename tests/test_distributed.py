@@ -11,6 +11,7 @@ import copy
 import datetime
 import hashlib
 import os
+import re
 import socket
 import traceback
 from pathlib import Path
@@ -85,14 +86,6 @@ def recovery_in(tmp: Path, rank: int) -> Any:
     return RecoveryConfig(quarantine_path=str(tmp / f"quarantine.rank{rank}.jsonl"))
 
 
-def no_snapshots() -> Any:
-    # FSDP2: the recovery layer's state scan reads DTensors on the host and fails (reported);
-    # these scenarios test capture and skip, so they run without snapshots.
-    from earlywarn.recover import RecoveryConfig
-
-    return RecoveryConfig(snapshot_every=0, rewind=False)
-
-
 def record(ew: Any) -> list[Any]:
     seen: list[Any] = []
     orig = ew.detector.observe
@@ -104,6 +97,15 @@ def events(ew: Any) -> list[tuple]:
     return [(e.step, str(e.kind), str(e.level), e.layers) for e in ew.events]
 
 
+def without_samples(messages: list[str]) -> list[str]:
+    """Messages with the sample indices left out: every rank draws its own samples of a batch."""
+    return [re.sub(r" \(samples [0-9, ]+\)", "", m) for m in messages]
+
+
+def samples(message: str) -> set[int]:
+    return {int(i) for group in re.findall(r"\(samples ([0-9, ]+)\)", message) for i in group.split(", ")}
+
+
 def digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -112,16 +114,44 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writes reach the live tensor); a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    def loc(t: torch.Tensor) -> torch.Tensor:
-        return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
-    out = [loc(p) for p in model.parameters()]
-    out += [loc(v) for p in model.parameters() for v in opt.state.get(p, {}).values() if torch.is_tensor(v)]
+    out = [local(p).detach().clone() for p in model.parameters()]
+    out += [local(v).detach().clone() for p in model.parameters() for v in opt.state.get(p, {}).values() if torch.is_tensor(v)]
     return out
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def fsdp_mlp() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = MLP().double()
+    for m in (model.inp, model.hidden, model.out, model):
+        fully_shard(m)
+    return model
+
+
+def sharded_loader(rank: int) -> Any:
+    """64 samples, every rank its half (the DistributedSampler split), 8 batches of 4 per epoch."""
+    import earlywarn
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(7)
+    data = TensorDataset(torch.randn(64, 8, generator=g, dtype=torch.float64),
+                         torch.randn(64, 1, generator=g, dtype=torch.float64))
+    return earlywarn.ResumableLoader(data, batch_size=4, seed=3, num_replicas=WORLD, rank=rank)
+
+
+def full_digest(model: nn.Module) -> str:
+    """The whole model (a collective: every rank gathers every parameter)."""
+    return digest([p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()])
 
 
 # ---------------------------------------------------------------------------------------- scenarios
@@ -175,7 +205,7 @@ def scenario_fsdp_norms(rank: int, tmp: Path) -> dict[str, Any]:
             fully_shard(m)
         opt = make(model.parameters())
         ref_opt = make(ref.parameters())
-        ew = earlywarn.watch(model, opt, sinks=[], recovery=no_snapshots())
+        ew = earlywarn.watch(model, opt, sinks=[], recovery=recovery_in(tmp, rank))
         seen = record(ew)
         got, want, collectives = [], [], []
         for step in range(3):
@@ -246,7 +276,7 @@ def scenario_fsdp_inf_rank1(rank: int, tmp: Path) -> dict[str, Any]:
         for m in (model.inp, model.hidden, model.out, model):
             fully_shard(m)
         opt = make(model.parameters())
-        ew = earlywarn.watch(model, opt, sinks=[], recovery=no_snapshots())
+        ew = earlywarn.watch(model, opt, sinks=[], recovery=recovery_in(tmp, rank))
         seen = record(ew)
         bit_identical, counts = None, None
         for step in range(5):
@@ -317,12 +347,8 @@ def scenario_rewind(rank: int, tmp: Path) -> dict[str, Any]:
     from earlywarn.events import Kind
     from earlywarn.recover import RecoveryConfig
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import Subset, TensorDataset
 
-    g = torch.Generator().manual_seed(7)
-    data = TensorDataset(torch.randn(64, 8, generator=g, dtype=torch.float64),
-                         torch.randn(64, 1, generator=g, dtype=torch.float64))
-    loader = earlywarn.ResumableLoader(Subset(data, range(rank, 64, WORLD)), batch_size=4, seed=3)
+    loader = sharded_loader(rank)
     torch.manual_seed(0)
     ddp = DDP(MLP().double())
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
@@ -392,6 +418,166 @@ def scenario_dcp(rank: int, tmp: Path) -> dict[str, Any]:
             "data": loaded["state"]["data"], "step": loaded["step"], "sharded": sharded}
 
 
+def scenario_fsdp_rewind(rank: int, tmp: Path) -> dict[str, Any]:
+    """FSDP2 with the default RecoveryConfig: rank 1 draws a batch with a NaN (loss reported),
+    every rank rewinds its shards to the same in-memory snapshot (step 0)."""
+    import earlywarn
+    from earlywarn.events import Kind
+
+    loader = sharded_loader(rank)
+    torch.manual_seed(0)
+    model = fsdp_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, loader=loader, sinks=[], recovery=recovery_in(tmp, rank))
+    positions, step, snap_state, restored, snap_digest, restored_digest, collectives = [], 0, None, None, None, None, []
+    for _epoch in range(2):
+        for x, y in loader:
+            if step == 6 and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            ew.report_loss(loss)
+            with Collectives() as c:
+                opt.step()
+            collectives.append(c.ops)
+            if step == 0:  # the default snapshot: the state after the first step
+                snap_state, snap_digest = local_state(model, opt), full_digest(model)
+            if step == 6:
+                restored, restored_digest = same(snap_state, local_state(model, opt)), full_digest(model)
+            positions.append(loader.position.to_dict())
+            step += 1
+    rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    out = {"positions": positions, "events": events(ew), "rewinds": [e.step for e in rewinds],
+           "rewind_messages": [e.message for e in rewinds], "restored": restored,
+           "snap_digest": snap_digest, "restored_digest": restored_digest, "collectives": collectives,
+           "digest": full_digest(model), "local_digest": digest(local_state(model, opt)),
+           "finite": all(bool(torch.isfinite(t).all()) for t in local_state(model, opt))}
+    ew.close()
+    return out
+
+
+def scenario_fsdp_repair(rank: int, tmp: Path) -> dict[str, Any]:
+    """FSDP2, default RecoveryConfig: AdamW's second moment is poisoned (inf) in rank 1's shard
+    only, then rank 1 draws a NaN batch. Rank 0's own shards are clean, yet every rank must see
+    the same scan (state poisoned, parameters finite), choose repair over rewind, and reset the
+    coordinate to the largest finite value of the whole tensor -- which lives in rank 0's shard."""
+    import earlywarn
+    from earlywarn.events import Kind
+
+    torch.manual_seed(0)
+    model = fsdp_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=recovery_in(tmp, rank))
+    reports = []
+    orig = ew.recovery.repair
+    ew.recovery.repair = lambda *a, **k: (reports.append(orig(*a, **k)), reports[-1])[1]
+    w = model.hidden.weight
+    out: dict[str, Any] = {}
+    for step in range(8):
+        opt.zero_grad()
+        x, y = local_batch(step, rank)
+        if step == 4 and rank == 1:
+            x[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        ew.report_loss(loss)
+        if step == 4:
+            params_before = [local(p).clone() for p in model.parameters()]
+        opt.step()
+        if step == 3:
+            v, m = (local(opt.state[w][k]) for k in ("exp_avg_sq", "exp_avg"))
+            with torch.no_grad():
+                if rank == 0:
+                    v[0, 0] = 5.0  # the largest finite second moment of the tensor, in rank 0's shard
+                else:
+                    v[0, 0] = float("inf")
+            out["own_max"] = float(v[torch.isfinite(v)].max())  # what a rank-local repair would use
+            out["m_before"] = float(m[0, 0])
+        if step == 4:
+            out["params_untouched"] = same(params_before, [local(p) for p in model.parameters()])
+            out["v00"] = float(local(opt.state[w]["exp_avg_sq"])[0, 0])
+            out["m00"] = float(local(opt.state[w]["exp_avg"])[0, 0])
+    out.update({"events": events(ew), "counters": ew.summary(), "reports": [r.to_dict() for r in reports],
+                "rewinds": [e.step for e in ew.events if e.kind is Kind.REWIND], "digest": full_digest(model),
+                "finite": all(bool(torch.isfinite(t).all()) for t in local_state(model, opt))})
+    ew.close()
+    return out
+
+
+def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
+    """CheckpointManager + dcp_checkpoint_fns on both ranks: one shared checkpoint per step,
+    committed by rank 0; then the same through the watcher, with a rewind from disk."""
+    import earlywarn
+    from earlywarn.distributed import dcp_checkpoint_fns
+    from earlywarn.events import Kind
+    from earlywarn.recover import RecoveryConfig
+    from earlywarn.recover.checkpoint import CheckpointManager
+    from earlywarn.recover.snapshot import capture_state, restore_state
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    model = fsdp_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = local_batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    save_fn, load_fn = dcp_checkpoint_fns(model, opt)
+    manager = CheckpointManager(tmp / "manager", keep=1, save_fn=save_fn, load_fn=load_fn)
+    train(range(2))
+    manager.save(capture_state(2, model=model, optimizer=opt), 2)
+    train(range(2, 4))
+    saved = local_state(model, opt)
+    path = manager.save(capture_state(4, model=model, optimizer=opt, data={"epoch": 0, "batch_index": rank}), 4)
+    out["listing"] = [(c.step, c.tag, c.path.name) for c in manager.list()]  # step 2 pruned by rank 0
+    out["entries"] = sorted(p.name for p in (tmp / "manager").iterdir())
+    out["files"] = sorted(p.name for p in Path(path).iterdir())
+    train(range(4, 6))
+    out["moved"] = not same(saved, local_state(model, opt))
+    loaded = manager.load(manager.latest())
+    restore_state(loaded["state"], model=model, optimizer=opt)
+    out["restored"] = same(saved, local_state(model, opt))
+    out["data"] = loaded["state"]["data"]
+
+    # through the watcher: disk checkpoints only (every 3 steps), a NaN batch on rank 1 at step 7
+    loader = sharded_loader(rank)
+    torch.manual_seed(0)
+    model = fsdp_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    save_fn, load_fn = dcp_checkpoint_fns(model, opt)
+    cfg = RecoveryConfig(checkpoint_dir=str(tmp / "run"), checkpoint_every=3, snapshot_every=0,
+                         save_fn=save_fn, load_fn=load_fn)
+    ew = earlywarn.watch(model, opt, loader=loader, sinks=[], recovery=cfg)
+    positions, at6, restored = [], None, None
+    for step, (x, y) in enumerate(loader):
+        if step == 7 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        ew.report_loss(loss)
+        opt.step()
+        if step == 6:
+            at6 = local_state(model, opt)
+        if step == 7:
+            restored = same(at6, local_state(model, opt))
+        positions.append(loader.position.to_dict())
+    rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    out["watch"] = {"rewinds": [e.step for e in rewinds], "messages": [e.message for e in rewinds],
+                    "restored": restored, "positions": positions, "events": events(ew),
+                    "entries": sorted(p.name for p in (tmp / "run").iterdir()),
+                    "quarantine": ew.recovery.quarantine_path.name}
+    ew.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "ddp_norms": scenario_ddp_norms,
     "fsdp_norms": scenario_fsdp_norms,
@@ -400,6 +586,9 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "rank_local_loss": scenario_rank_local_loss,
     "rewind": scenario_rewind,
     "dcp": scenario_dcp,
+    "fsdp_rewind": scenario_fsdp_rewind,
+    "fsdp_repair": scenario_fsdp_repair,
+    "dcp_manager": scenario_dcp_manager,
 }
 
 
@@ -449,11 +638,13 @@ def assert_norms(got: list[dict[str, float]], want: list[dict[str, float]]) -> N
             assert g[k] == pytest.approx(w[k], rel=1e-6), k
 
 
-def test_ddp_layer_norms_equal_single_process_with_no_collective(results):
+def test_ddp_layer_norms_equal_single_process_with_no_collective_per_step(results):
     for res in get(results, "ddp_norms"):
         r = res["report=False"]
         assert_norms(r["got"], r["want"])
-        assert r["collectives"] == [0, 0, 0] and r["reducer"] == 0  # DDP already reduced the grads
+        # DDP already reduced the grads: no collective per step. Step 0 takes the default snapshot,
+        # whose state scan agrees its counts over ranks in one all-reduce.
+        assert r["collectives"] == [1, 0, 0] and r["reducer"] == 0
 
 
 def test_ddp_reported_loss_is_averaged_in_one_allreduce(results):
@@ -461,7 +652,7 @@ def test_ddp_reported_loss_is_averaged_in_one_allreduce(results):
     for res in per_rank:
         r = res["report=True"]
         assert_norms(r["got"], r["want"])
-        assert r["collectives"] == [1, 1, 1] and r["reducer"] == 3
+        assert r["collectives"] == [2, 1, 1] and r["reducer"] == 3  # + the snapshot scan at step 0
         # both halves have the same size: the mean of the ranks' losses is the global-batch loss
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-9)
     assert per_rank[0]["report=True"]["losses"] == per_rank[1]["report=True"]["losses"]
@@ -473,8 +664,9 @@ def test_fsdp2_layer_norms_equal_single_process_with_one_allreduce(results, opti
         r = res[optimizer]
         assert r["sharded"]
         assert_norms(r["got"], r["want"])
-        # one all-reduce of one small vector per step, nothing per parameter
-        assert r["collectives"] == [["c10d.allreduce_.default"]] * 3
+        # one all-reduce of one small vector per step, nothing per parameter; step 0 also takes
+        # the default snapshot, whose state scan agrees its counts over ranks in one more
+        assert r["collectives"] == [["c10d.allreduce_.default"] * 2] + [["c10d.allreduce_.default"]] * 2
 
 
 @pytest.mark.parametrize("fault", ["input", "grad_after_reduce"])
@@ -525,7 +717,10 @@ def test_rewind_on_both_ranks_resumes_the_same_data_positions(results):
     # ranks' loaders to epoch 1 batch 5 (batches 1-4 quarantined)
     assert r0["positions"][9] == {"epoch": 1, "batch_index": 2}
     assert r0["positions"][10] == {"epoch": 1, "batch_index": 5}
-    assert "epoch 1 batches 1-4" in r0["rewind_messages"][0] and r0["rewind_messages"] == r1["rewind_messages"]
+    assert "epoch 1 batches 1-4" in r0["rewind_messages"][0]
+    # the same batches on every rank, each made of that rank's own samples (the sharded loader)
+    assert without_samples(r0["rewind_messages"]) == without_samples(r1["rewind_messages"])
+    assert samples(r0["rewind_messages"][0]) and not samples(r0["rewind_messages"][0]) & samples(r1["rewind_messages"][0])
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
 
 
@@ -579,3 +774,66 @@ class _Stateful:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = state
+
+
+def test_fsdp2_rewind_on_both_ranks_restores_the_same_snapshot(results):
+    r0, r1 = get(results, "fsdp_rewind")
+    assert r0["rewinds"] == r1["rewinds"] == [6], (r0["events"], r0["rewind_messages"])
+    assert r0["events"] == r1["events"]
+    assert without_samples(r0["rewind_messages"]) == without_samples(r1["rewind_messages"])
+    assert "memory:0" in r0["rewind_messages"][0]  # the default ring's snapshot of step 0
+    # every rank put its own shards back bit for bit: the whole model is the snapshot's again
+    assert r0["restored"] and r1["restored"]
+    assert r0["restored_digest"] == r1["restored_digest"] == r0["snap_digest"] == r1["snap_digest"]
+    # both loaders skipped the batches drawn since the snapshot (1-6) and go on together
+    assert r0["positions"] == r1["positions"]
+    assert r0["positions"][6] == {"epoch": 0, "batch_index": 7}
+    assert r0["digest"] == r1["digest"] and r0["local_digest"] != r1["local_digest"]  # one model, two shards
+    assert r0["finite"] and r1["finite"]
+    # capture, snapshot and restore never gather: all-reduces only (the stats vector, the scans)
+    for r in (r0, r1):
+        assert {op for ops in r["collectives"] for op in ops} == {"c10d.allreduce_.default"}
+
+
+def test_fsdp2_state_poisoned_in_one_shard_is_repaired_identically_on_both_ranks(results):
+    r0, r1 = get(results, "fsdp_repair")
+    assert r0["events"] == r1["events"] and r0["reports"] == r1["reports"]
+    assert r0["rewinds"] == r1["rewinds"] == []  # a rank-local scan would have made rank 0 rewind
+    assert r0["counters"]["repaired_steps"] == r1["counters"]["repaired_steps"] == 1
+    (report,) = r0["reports"]
+    assert report["found"]["flags"] == [{"name": "hidden.weight", "key": "exp_avg_sq", "nonfinite": 1, "numel": 256}]
+    assert report["ok"] and report["step"] == 4
+    done = {(a["key"], a["action"]): a for a in report["repaired"]}
+    assert set(done) == {("exp_avg", "zero"), ("exp_avg_sq", "finite_max")}
+    # the largest finite value of the whole tensor, not of rank 1's shard
+    assert r1["own_max"] < r0["own_max"] == 5.0
+    assert done[("exp_avg_sq", "finite_max")]["value"] == 5.0
+    assert r1["v00"] == 5.0 and r1["m00"] == 0.0
+    assert r0["v00"] == 5.0 and r0["m00"] == r0["m_before"]  # rank 0's shard had nothing to reset
+    assert r0["params_untouched"] and r1["params_untouched"]  # the step was skipped, not applied
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_checkpoint_manager_with_dcp_writes_one_shared_checkpoint(results):
+    r0, r1 = get(results, "dcp_manager")
+    for rank, r in enumerate((r0, r1)):
+        assert r["listing"] == [(4, "clean", "step-0000000004.clean.pt")]  # step 2 pruned, by rank 0 only
+        assert r["entries"] == ["step-0000000004.clean.pt"]  # no temp directories left
+        assert ".metadata" in r["files"] and {"earlywarn.rank0.pt", "earlywarn.rank1.pt"} <= set(r["files"])
+        assert r["moved"] and r["restored"]
+        assert r["data"] == {"epoch": 0, "batch_index": rank}
+
+
+def test_watcher_with_dcp_checkpoints_rewinds_every_rank_from_the_shared_checkpoint(results):
+    w0, w1 = (r["watch"] for r in get(results, "dcp_manager"))
+    assert w0["rewinds"] == w1["rewinds"] == [7], w0["events"]
+    assert "step-0000000006.clean.pt" in w0["messages"][0]
+    assert without_samples(w0["messages"]) == without_samples(w1["messages"])
+    assert w0["restored"] and w1["restored"]
+    assert w0["events"] == w1["events"] and w0["positions"] == w1["positions"]
+    # one directory for all ranks (no rank<r>), the checkpoint after the incident abandoned;
+    # quarantine lists stay per rank
+    assert w0["entries"] == w1["entries"]
+    assert not [e for e in w0["entries"] if e.startswith("rank") or e.startswith(".tmp")]
+    assert "step-0000000006.clean.pt" in w0["entries"]
+    assert {w0["quarantine"], w1["quarantine"]} == {"quarantine.rank0.jsonl", "quarantine.rank1.jsonl"}

@@ -121,8 +121,10 @@ class GradStats:
             # float32 accumulation for low-precision grads; float64 grads cannot be narrowed to it.
             wide = any(g.dtype == torch.float64 for g in grads)
             norms = torch._foreach_norm(grads, 2, dtype=torch.float64 if wide else torch.float32)
-        # A model spread over several devices: bring the per-tensor norms together (non-blocking).
-        per_tensor = torch.stack([n.to(device, dtype, non_blocking=True) for n in norms])
+        if all(n.device == device for n in norms):
+            per_tensor = torch.stack(norms).to(dtype)
+        else:  # a model spread over several devices: bring the norms together (non-blocking)
+            per_tensor = torch.stack([n.to(device, dtype, non_blocking=True) for n in norms])
         if inv_scale is not None:
             per_tensor = per_tensor * inv_scale.to(device, dtype, non_blocking=True)
         sq = per_tensor.square()

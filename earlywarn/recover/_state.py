@@ -13,6 +13,36 @@ import torch
 
 from .errors import CheckpointError
 
+try:  # torch builds without distributed support have no DTensor (and no sharded state)
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+# --------------------------------------------------------------------------------------------
+# Sharded tensors (FSDP2 / tensor parallel DTensors)
+#
+# Every copy and restore below works on a DTensor's *local shard* only: a DTensor op (clone,
+# copy_, ``.to``) goes through DTensor dispatch, which may redistribute -- a collective per
+# tensor, or a full-tensor gather -- and a host copy must never do that. A host copy of a
+# DTensor is a DTensor with the same layout (mesh, placements, global shape) whose local tensor
+# is on the host: ``torch.distributed.checkpoint`` still writes it shard by shard, and restoring
+# copies the local shard back in place.
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of a DTensor (no collective, no autograd wrapper); ``t`` otherwise."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def like_sharded(host_local: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``host_local`` wrapped with ``t``'s DTensor layout, without moving it to the mesh's device
+    (``DTensor.from_local`` would copy it back to the accelerator)."""
+    return DTensor(host_local, t._spec, requires_grad=False)  # type: ignore[misc]
+
 # --------------------------------------------------------------------------------------------
 # Host copies
 
@@ -33,6 +63,11 @@ class HostCopy:
 
 
 def _host_tensor(t: torch.Tensor, reuse: Any) -> tuple[torch.Tensor, bool]:
+    if is_dtensor(t):
+        # local shard only; the copy keeps the layout (see the note on sharded tensors above)
+        same = is_dtensor(reuse) and reuse._spec == t._spec
+        out, nb = _host_tensor(local(t), local(reuse) if same else None)
+        return like_sharded(out, t), nb
     t = t.detach()
     if (
         isinstance(reuse, torch.Tensor)
@@ -91,6 +126,8 @@ def to_host(tree: Any, reuse: Any = None) -> HostCopy:
 def clone_tree(tree: Any) -> Any:
     """Deep copy with tensors cloned: what ``load_state_dict`` calls receive, because
     ``Optimizer.load_state_dict`` keeps the given CPU tensors (it would alias our snapshot)."""
+    if is_dtensor(tree):
+        return like_sharded(local(tree).clone(), tree)
     if isinstance(tree, torch.Tensor):
         return tree.clone()
     if isinstance(tree, dict):
@@ -110,9 +147,10 @@ def clone_tree(tree: Any) -> Any:
 
 
 def state_bytes(tree: Any) -> int:
-    """Bytes held by the tensors of a state tree (for reports)."""
+    """Bytes held by the tensors of a state tree (for reports; this rank's shards only)."""
     if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
+        t = local(tree)
+        return t.numel() * t.element_size()
     if isinstance(tree, dict):
         return sum(state_bytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
@@ -240,7 +278,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
                 lv = live[k]
                 if isinstance(v, torch.Tensor) != isinstance(lv, torch.Tensor):
                     same = False
-                elif isinstance(v, torch.Tensor) and (v.shape != lv.shape or v.dtype != lv.dtype):
+                elif isinstance(v, torch.Tensor) and not _same_layout(v, lv):
                     same = False
             if not same:
                 break
@@ -252,7 +290,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
             live = optimizer.state[p]
             for k, v in saved_state.get(i, {}).items():
                 if isinstance(v, torch.Tensor):
-                    live[k].copy_(v)
+                    local(live[k]).copy_(local(v))  # sharded state: this rank's shard, in place
                 else:
                     live[k] = copy.deepcopy(v)
     for g, sg in zip(optimizer.param_groups, saved_groups):
@@ -266,7 +304,29 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
                 g[k] = copy.deepcopy(v)
 
 
+def _same_layout(saved: torch.Tensor, live: torch.Tensor) -> bool:
+    """``saved`` can be copied into ``live`` shard for shard: same global shape, dtype and local
+    shard shape (a saved DTensor or this rank's plain local shard into a live DTensor)."""
+    if saved.dtype != live.dtype or local(saved).shape != local(live).shape:
+        return False
+    return saved.shape == live.shape or not is_dtensor(saved)
+
+
 def restore_model(model: torch.nn.Module, sd: dict[str, Any]) -> None:
+    """Copy ``sd`` (a ``model.state_dict()`` copy) into the model's tensors, in place.
+
+    A sharded model (DTensor parameters, FSDP2) is restored shard by shard: each rank copies its
+    local shards back, with no collective and no full-tensor gather. Otherwise, and whenever the
+    saved state does not match the live layout, ``load_state_dict`` (strict) does it."""
+    live = model.state_dict(keep_vars=True)
+    if any(is_dtensor(v) for v in live.values()) and set(live) == set(sd) and all(
+        isinstance(v, torch.Tensor) and isinstance(sd[k], torch.Tensor) and _same_layout(sd[k], v)
+        for k, v in live.items()
+    ):
+        with torch.no_grad():
+            for k, v in live.items():
+                local(v).copy_(local(sd[k]))
+        return
     # load_state_dict copies into the existing parameters (no aliasing of the snapshot)
     model.load_state_dict(sd, strict=True)
 

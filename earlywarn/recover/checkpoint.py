@@ -10,7 +10,19 @@ the clean window, else the reason (``warning``...). Retention keeps the newest `
 ones and the newest ``keep_unclean`` others. A rewind renames checkpoints newer than its target
 to ``*.abandoned`` (kept for forensics, never loaded by ``latest``).
 
-One writer per directory (rank 0); other ranks read.
+Under torch.distributed (world size > 1) there are two modes, chosen by the writer:
+
+* **Per-rank files** (the default ``torch.save`` writer, or any ``save_fn`` that is not
+  collective): every rank writes its own complete checkpoint, in its own directory
+  (``RecoveryConfig`` uses ``<checkpoint_dir>/rank<r>``). One writer per directory.
+* **Collective** (``save_fn.collective = True``, set by
+  :func:`earlywarn.distributed.dcp_checkpoint_fns`, or ``collective=True``): every rank calls
+  ``save_fn`` together on one shared directory (a filesystem all ranks see) and each writes its
+  part. The temp path is the same on every rank (derived from the step and tag, not the pid);
+  after the save all ranks agree that every part was written, then rank 0 alone fsyncs, renames,
+  prunes and renames abandoned checkpoints, and all ranks wait for it before going on -- so every
+  rank lists the same checkpoints afterwards. Every method that writes is then a collective: call
+  it on every rank. Collective writes run on the calling thread (``async_write`` is refused).
 """
 
 from __future__ import annotations
@@ -83,6 +95,31 @@ def _remove(path: Path) -> None:
             pass
 
 
+def is_collective(save_fn: Any) -> bool:
+    """Whether ``save_fn`` declares itself a collective (``save_fn.collective = True``)."""
+    return save_fn is not None and getattr(save_fn, "collective", False) is True
+
+
+def _group_rank(collective: bool) -> int | None:
+    """This rank when a collective writer runs under torch.distributed with more than one
+    process; ``None`` when this process writes alone."""
+    d = torch.distributed
+    if collective and d.is_available() and d.is_initialized() and d.get_world_size() > 1:
+        return d.get_rank()
+    return None
+
+
+def _agree(ok: bool) -> bool:
+    """Every rank's ``ok``, ANDed over all ranks: a barrier that also carries a failure."""
+    d = torch.distributed
+    device = torch.device("cpu")
+    if "gloo" not in str(d.get_backend()) and torch.cuda.is_available():  # NCCL: CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    d.all_reduce(flag, op=d.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _tag(clean: bool, reason: str) -> str:
     if clean:
         return "clean"
@@ -105,6 +142,10 @@ class CheckpointManager:
             ``torch.distributed.checkpoint`` writer; ``path`` may become a directory). It
             writes to a temp path that is fsynced and renamed like the built-in writer.
         load_fn: ``load_fn(path) -> payload`` instead of ``torch.load(..., weights_only=True)``.
+        collective: ``save_fn`` is a collective that every rank calls with the same path (see
+            the module docstring). ``None``: the ``collective`` attribute of ``save_fn`` decides
+            (``dcp_checkpoint_fns`` sets it); the default ``torch.save`` writer never is.
+            Only matters under torch.distributed with more than one process.
     """
 
     def __init__(
@@ -116,7 +157,16 @@ class CheckpointManager:
         async_write: bool = False,
         save_fn: Callable[[dict[str, Any], str], None] | None = None,
         load_fn: Callable[[str], dict[str, Any]] | None = None,
+        collective: bool | None = None,
     ) -> None:
+        collective = is_collective(save_fn) if collective is None else bool(collective)
+        if collective and save_fn is None:
+            raise ValueError("collective=True needs a collective save_fn (e.g. earlywarn.distributed.dcp_checkpoint_fns): "
+                             "the default torch.save writer writes one file per rank")
+        if collective and async_write:
+            raise ValueError("async_write=True with a collective save_fn: a collective must run on the training "
+                             "thread of every rank (a background thread would interleave it with the training "
+                             "collectives); use async_write=False")
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (the last clean checkpoint is what a rewind or resume needs)")
         if keep_unclean < 0:
@@ -128,14 +178,16 @@ class CheckpointManager:
         self.async_write = async_write
         self.save_fn = save_fn
         self.load_fn = load_fn
+        self.collective = collective
         self._counter = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        # torn temp files from a crash of an earlier writer
-        for p in self.directory.iterdir():
-            if p.name.startswith(".tmp."):
-                _remove(p)
+        # torn temp files from a crash of an earlier writer (a shared directory: rank 0 owns them)
+        if _group_rank(self.collective) in (None, 0):
+            for p in self.directory.iterdir():
+                if p.name.startswith(".tmp."):
+                    _remove(p)
 
     # -- listing -----------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -214,6 +266,9 @@ class CheckpointManager:
         return str(final)
 
     def _write(self, payload: dict[str, Any], final: Path) -> None:
+        if _group_rank(self.collective) is not None:
+            self._write_collective(payload, final)
+            return
         with self._lock:
             self._counter += 1
             tmp = self.directory / f".tmp.{final.name}.{os.getpid()}.{self._counter}"
@@ -236,6 +291,43 @@ class CheckpointManager:
             _remove(tmp)
             raise
         self._retain()
+
+    def _write_collective(self, payload: dict[str, Any], final: Path) -> None:
+        """Every rank writes its part to one shared temp path; rank 0 commits (module docstring)."""
+        assert self.save_fn is not None
+        rank = _group_rank(True)
+        tmp = self.directory / f".tmp.{final.name}"  # the same on every rank
+        if rank == 0:
+            _remove(tmp)  # left by an attempt at this step that failed
+        _agree(True)  # nobody writes into it before it is gone
+        error: BaseException | None = None
+        try:
+            self.save_fn(payload, str(tmp))
+        except Exception as e:  # still take part in the agreement below, or the others hang
+            error = e
+        if not _agree(error is None):
+            if rank == 0:
+                _remove(tmp)
+            if error is not None:
+                raise error
+            raise CheckpointError(f"another rank failed to write its part of {final.name}; nothing was committed")
+        if rank == 0:
+            try:
+                if not tmp.exists():
+                    raise CheckpointError(f"save_fn wrote nothing at {tmp}: it must write to the path it is given")
+                _fsync_path(tmp)
+                if final.is_dir():  # os.replace cannot replace a non-empty directory
+                    _remove(final)
+                os.replace(tmp, final)
+                _fsync_dir(self.directory)
+                self._retain()
+            except Exception as e:
+                error = e
+                _remove(tmp)
+        if not _agree(error is None):  # the others wait for the commit: then all list the same
+            if error is not None:
+                raise error
+            raise CheckpointError(f"rank 0 could not commit {final.name} (see its error)")
 
     def _retain(self) -> None:
         items = self.list()
@@ -264,16 +356,20 @@ class CheckpointManager:
         """Rename checkpoints newer than ``step`` to ``*.abandoned``: a rewind left that
         trajectory, and ``latest()`` / a resume must not pick them up."""
         self.wait()
+        rank = _group_rank(self.collective)
         moved = []
         for c in self.list():
             if c.step > step:
                 dst = c.path.with_name(c.path.name + ".abandoned")
-                if dst.exists():
-                    _remove(dst)
-                os.replace(c.path, dst)
                 moved.append(dst)
-        if moved:
+                if rank in (None, 0):  # a shared directory: rank 0 renames, the others wait
+                    if dst.exists():
+                        _remove(dst)
+                    os.replace(c.path, dst)
+        if moved and rank in (None, 0):
             _fsync_dir(self.directory)
+        if rank is not None:
+            _agree(True)
         return moved
 
     # -- reading -----------------------------------------------------------------------------

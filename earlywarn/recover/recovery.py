@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 import torch
 
 from ..events import Event, Kind, Level
-from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
+from .checkpoint import CheckpointInfo, CheckpointManager, is_collective, load_checkpoint
 from .data import BatchRef, DataPositionAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError, Halt
 from .repair import RepairReport, StateScan, repair_optimizer_state, scan_state
@@ -47,8 +47,10 @@ class RecoveryConfig:
     """Clean in-memory snapshots kept (one more, unclean, is kept from the last warning)."""
     checkpoint_dir: str | None = None
     """Directory for disk checkpoints; ``None``: no disk checkpoints. Under torch.distributed
-    (world size > 1) without ``save_fn`` each rank writes its own ``<checkpoint_dir>/rank<r>``
-    (its RNG and data shard differ; one writer per directory)."""
+    (world size > 1) the writer decides the layout (see ``collective_save``): per-rank writers
+    (the default ``torch.save``) give each rank its own ``<checkpoint_dir>/rank<r>`` (its RNG and
+    data shard differ; one writer per directory); a collective writer writes one checkpoint per
+    step into ``<checkpoint_dir>`` itself, every rank its part."""
     checkpoint_every: int = 1000
     """Steps between periodic disk checkpoints (when ``checkpoint_dir`` is set)."""
     checkpoint_keep: int = 3
@@ -59,6 +61,12 @@ class RecoveryConfig:
     """Replace ``torch.save`` (e.g. a ``torch.distributed.checkpoint`` writer): ``save_fn(payload, path)``."""
     load_fn: Callable[[str], dict[str, Any]] | None = None
     """Replace ``torch.load(weights_only=True)``: ``load_fn(path) -> payload`` as given to ``save_fn``."""
+    collective_save: bool | None = None
+    """Whether ``save_fn`` / ``load_fn`` are collectives that every rank calls together with the
+    same path (``torch.distributed.checkpoint``: each rank writes its shards into one shared
+    checkpoint; rank 0 alone commits it, see ``CheckpointManager``). ``None``: the ``collective``
+    attribute of ``save_fn`` decides -- ``earlywarn.distributed.dcp_checkpoint_fns`` sets it, and
+    the default ``torch.save`` writer is never collective. Needs ``checkpoint_async=False``."""
     clean_window: int = 20
     """A snapshot is clean when no alert came within this many steps before it. The watcher
     passes ``clean`` to ``after_step``; recovery also treats the steps after its own repairs
@@ -115,6 +123,14 @@ class RecoveryConfig:
                 raise bad(name, "must be callable")
         if (self.save_fn is None) != (self.load_fn is None):
             raise bad("save_fn", "give save_fn and load_fn together (a custom format needs its reader)")
+        if self.collective_save is not None and not isinstance(self.collective_save, bool):
+            raise bad("collective_save", "use True, False or None (None: ask save_fn.collective)")
+        if self.collective_save and self.save_fn is None:
+            raise bad("collective_save", "needs a collective save_fn/load_fn pair, e.g. "
+                      "earlywarn.distributed.dcp_checkpoint_fns(model, optimizer); torch.save writes per rank")
+        if self.collective and self.checkpoint_async:
+            raise bad("checkpoint_async", "cannot be True with a collective save_fn: every rank must run the "
+                      "collective write on its training thread; set checkpoint_async=False")
         if self.snapshot_every == 0 and self.checkpoint_dir is None and self.rewind:
             raise bad("snapshot_every", "is 0 and there is no checkpoint_dir: nothing to rewind to; "
                       "keep snapshots on, set checkpoint_dir, or set rewind=False")
@@ -122,6 +138,11 @@ class RecoveryConfig:
             self.checkpoint_dir = os.fspath(self.checkpoint_dir)
         if self.quarantine_path is not None:
             self.quarantine_path = os.fspath(self.quarantine_path)
+
+    @property
+    def collective(self) -> bool:
+        """The checkpoint writer is a collective (``collective_save``, else ``save_fn.collective``)."""
+        return is_collective(self.save_fn) if self.collective_save is None else self.collective_save
 
 
 @dataclass(frozen=True)
@@ -339,18 +360,19 @@ class Recovery:
         ckpt_dir = None
         if cfg.checkpoint_dir is not None:
             ckpt_dir = Path(cfg.checkpoint_dir)
-            if rank is not None and cfg.save_fn is None:
-                ckpt_dir = ckpt_dir / f"rank{rank}"
+            if rank is not None and not cfg.collective:
+                ckpt_dir = ckpt_dir / f"rank{rank}"  # per-rank writer: one writer per directory
         self.ring = SnapshotRing(cfg.snapshot_keep, keep_unclean=1) if cfg.snapshot_every > 0 else None
         self.checkpoints = (
             CheckpointManager(ckpt_dir, keep=cfg.checkpoint_keep, keep_unclean=1,
-                              async_write=cfg.checkpoint_async, save_fn=cfg.save_fn, load_fn=cfg.load_fn)
+                              async_write=cfg.checkpoint_async, save_fn=cfg.save_fn, load_fn=cfg.load_fn,
+                              collective=cfg.collective)
             if ckpt_dir is not None else None
         )
         if cfg.quarantine_path is not None:
             self.quarantine_path: Path = Path(cfg.quarantine_path)
         elif ckpt_dir is not None:
-            self.quarantine_path = ckpt_dir / (f"quarantine.rank{rank}.jsonl" if cfg.save_fn is not None and rank is not None
+            self.quarantine_path = ckpt_dir / (f"quarantine.rank{rank}.jsonl" if cfg.collective and rank is not None
                                                else "quarantine.jsonl")
         else:
             self.quarantine_path = Path.cwd() / ("earlywarn_quarantine.jsonl" if rank is None
@@ -398,7 +420,7 @@ class Recovery:
         scan = scan_state(self.model, self.optimizer)
         if not scan.clean:
             if self.config.repair:
-                self.repair(step)
+                self.repair(step, scan=scan)
             else:
                 self._last_incident_step = step
             return

@@ -29,15 +29,32 @@ With a snapshot (the last clean in-memory copy), parameter and buffer coordinate
 from it, and with ``reset_state=False`` the optimizer state coordinates too. Repairing
 parameters coordinate-wise is only done while the poisoned share of all parameter elements stays
 below ``max_param_fraction``; beyond that the report asks for a rewind.
+
+Under torch.distributed (world size > 1) scans and repairs read and write each rank's *local
+shards* of sharded state (FSDP2 / tensor parallel DTensors; plain tensors as they are), and the
+numbers a decision depends on are agreed over all ranks in a few small all-reduces (never one per
+tensor, never a full-tensor gather): the scan's per-tensor counts (one SUM), the repair's per-tensor
+counts and snapshot checks (one SUM) and its "largest finite value"s (one MAX, only when a second
+moment needs one). So every rank gets the same :class:`StateScan` and :class:`RepairReport`, and
+writes the same values into its shards. Every rank must therefore call these functions together,
+in the same order, on the same model and optimizer structure -- the watcher does: its decisions
+are identical on every rank. A replicated tensor (DDP, a ``Replicate`` placement) is counted once
+per element (the sum is divided by the ranks holding a copy, a disagreement rounded up); where only
+one replica is poisoned, only that rank's copy is reset.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+
+from earlywarn.capture.gradstats import _copy_weight
+
+from ._state import is_dtensor, local
 
 ZERO_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg", "prev"})
 SECOND_MOMENT_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
@@ -128,11 +145,64 @@ def _checkable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 
+def _same_shape(v: torch.Tensor, p: torch.Tensor) -> bool:
+    """``v`` covers the same coordinates as ``p``, shard for shard (so masks can be shared)."""
+    return v.shape == p.shape and local(v).shape == local(p).shape and is_dtensor(v) == is_dtensor(p)
+
+
+class _Agree:
+    """Numbers every rank must agree on (rare path). In one process: the local values. Under
+    torch.distributed with world size > 1: one all-reduce per call, on the state's device (the
+    backend's device: NCCL needs CUDA tensors). A call with no values issues nothing; callers
+    only make such calls from numbers that are already agreed, so every rank skips it alike."""
+
+    def __init__(self) -> None:
+        d = torch.distributed
+        self.world = d.get_world_size() if d.is_available() and d.is_initialized() else 1
+
+    def holders(self, t: torch.Tensor) -> int:
+        """Ranks holding a copy of each element of ``t`` (1 for a shard, the world for DDP state)."""
+        return 1 if self.world == 1 else round(1.0 / _copy_weight(t, self.world))
+
+    def sum(self, values: list[torch.Tensor | int], device: torch.device) -> list[int]:
+        if not values:
+            return []
+        vec = torch.stack([torch.as_tensor(v).to(device, torch.int64) for v in values])
+        if self.world > 1:
+            torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
+        return [int(v) for v in vec.tolist()]  # one host read
+
+    def max(self, values: list[torch.Tensor], device: torch.device) -> list[float]:
+        if not values:
+            return []
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        vec = torch.stack([v.to(device, dtype) for v in values])
+        if self.world > 1:
+            torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.MAX)
+        return [float(v) for v in vec.tolist()]
+
+
+def _finite_abs_max(t: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest ``|t|`` over the finite elements (and ``where``), as a device scalar; ``-inf``
+    when there is none (an empty local shard included)."""
+    a = t.abs()
+    none = torch.full((), -math.inf, dtype=a.dtype, device=a.device)
+    if t.numel() == 0:
+        return none
+    ok = torch.isfinite(t) if where is None else torch.isfinite(t) & where
+    return torch.where(ok, a, none).amax()
+
+
 def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> StateScan:
     """Which parameters, floating buffers and optimizer state tensors hold NaN/Inf, and how many.
 
     One host read per device: per-tensor counts are computed and stacked on the device, then read
     with a single ``tolist()``. Meant for the rare path (after an alert), not every step.
+
+    Sharded tensors (DTensors) are counted on this rank's local shards. Under torch.distributed
+    (world size > 1) the counts go through one SUM all-reduce, so every rank returns the same scan
+    with global counts (``Flag.numel`` is the global size): every rank must call it together (see
+    the module docstring).
     """
     names = _param_names(model, optimizer)
     entries: list[tuple[str, str | None, Any, torch.Tensor]] = []
@@ -164,13 +234,20 @@ def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
     counts_dev: list[torch.Tensor] = []
     with torch.no_grad():
         for i, (_, _, _, t) in enumerate(entries):
+            t = local(t)  # a DTensor's own shard: no collective per tensor
             counts_dev.append(torch.isfinite(t).logical_not_().sum())
             by_device[t.device].append(i)
     counts = [0] * len(entries)
-    for dev, idx in by_device.items():
-        values = torch.stack([counts_dev[i] for i in idx]).tolist()  # the one host read
-        for i, v in zip(idx, values):
-            counts[i] = int(v)
+    agree = _Agree()
+    if False:
+        # one SUM all-reduce of all counts (one host read); a replicated element has several holders
+        sums = agree.sum(counts_dev, local(entries[0][3]).device) if entries else []
+        counts = [-(-c // agree.holders(t)) for c, (_, _, _, t) in zip(sums, entries)]
+    else:
+        for dev, idx in by_device.items():
+            values = torch.stack([counts_dev[i] for i in idx]).tolist()  # the one host read
+            for i, v in zip(idx, values):
+                counts[i] = int(v)
     flags, refs = [], {}
     for (name, key, p, t), c in zip(entries, counts):
         refs[(name, key)] = (p, t)
@@ -289,22 +366,7 @@ def repair_optimizer_state(
     unrepaired: list[RepairAction] = []
     poisoned_param_elems = sum(f.nonfinite for f in scan.params)
     patch_params = poisoned_param_elems <= max_param_fraction * max(1, scan._param_numel)
-
-    # global fallbacks for a second moment that is non-finite everywhere
-    fallback_max: dict[str, float | None] = {}
-
-    def key_max(key: str) -> float | None:
-        if key not in fallback_max:
-            best = None
-            for p, st in optimizer.state.items():
-                v = st.get(key)
-                if _checkable(v):
-                    fin = v[torch.isfinite(v)]
-                    if fin.numel():
-                        m = float(fin.abs().max())
-                        best = m if best is None else max(best, m)
-            fallback_max[key] = best
-        return fallback_max[key]
+    agree = _Agree()
 
     def from_snapshot(tree: Mapping[str, Any] | None, name_or_idx: Any, key: str | None) -> torch.Tensor | None:
         if tree is None:
@@ -313,68 +375,117 @@ def repair_optimizer_state(
             t = tree.get(name_or_idx)
         else:
             t = tree.get("state", {}).get(name_or_idx, {}).get(key)
-        return t if isinstance(t, torch.Tensor) else None
+        return local(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it
 
-    flagged_names = {f.name for f in scan.flags}
+    # 1. plan on the local shards; nothing is written yet ---------------------------------------
+    # Every number a decision depends on goes into `counts` (agreed by one SUM over ranks); the
+    # parameters are visited in model order, so every rank builds the same list.
+    counts: list[torch.Tensor | int] = []
+    plans: list[dict[str, Any]] = []
+    device: torch.device | None = None
     with torch.no_grad():
-        # parameters (and their optimizer state, with the union mask) -----------------------
-        for name in flagged_names:
+        for name in dict.fromkeys(f.name for f in scan.flags):
             if (name, None) not in scan._refs:
                 continue
             p, _ = scan._refs[(name, None)]
+            pl = local(p)
+            if device is None:
+                device = pl.device
             st = optimizer.state.get(p, {})
-            mask = ~torch.isfinite(p)
+            mask = ~torch.isfinite(pl)
             for k, v in st.items():
-                if _checkable(v) and v.shape == p.shape:
-                    mask |= ~torch.isfinite(v)
+                if _checkable(v) and _same_shape(v, p):
+                    mask |= ~torch.isfinite(local(v))
             pflag = next((f for f in scan.params if f.name == name), None)
+            psrc = from_snapshot(snap_model, name, None)
+            psrc = psrc if psrc is not None and psrc.shape == pl.shape else None
+            plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc,
+                                    "at": len(counts), "keys": []}
+            counts.append(int(pflag is not None and psrc is None))  # no snapshot of the parameter
+            i = index.get(id(p))
+            for k, v in st.items():
+                if not _checkable(v):
+                    continue
+                k = str(k)
+                vl = local(v)
+                kmask = mask if _same_shape(v, p) else ~torch.isfinite(vl)
+                src = from_snapshot(snap_opt, i, k)
+                want_snap = src is not None and (not reset_state or k not in ZERO_KEYS | SECOND_MOMENT_KEYS)
+                if want_snap and src.shape == vl.shape:
+                    src = src.to(vl.device, vl.dtype)
+                    snap_bad: torch.Tensor | int = (~torch.isfinite(src) & kmask).sum()
+                else:
+                    src, snap_bad = None, int(want_snap)  # wanted but unusable: not from the snapshot
+                plan["keys"].append({"key": k, "v": v, "vl": vl, "kmask": kmask, "src": src,
+                                     "want_snap": want_snap, "at": len(counts),
+                                     "max": _finite_abs_max(vl, ~kmask) if k in SECOND_MOMENT_KEYS else None})
+                # poisoned coordinates, finite values left outside them, snapshot unusable there
+                counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if k in SECOND_MOMENT_KEYS else 0, snap_bad]
+            plans.append(plan)
+    agreed = agree.sum(counts, device) if device is not None else []
+
+    # 2. the values a second moment is reset to: the largest finite one (one MAX over ranks) -----
+    maxima: list[torch.Tensor] = []
+    fallback_keys: list[str] = []
+    for plan in plans:
+        for e in plan["keys"]:
+            a = e["at"]
+            e["count"] = -(-agreed[a] // agree.holders(e["v"]))
+            e["use_snap"] = e["want_snap"] and agreed[a + 2] == 0
+            if e["count"] and e["max"] is not None and not e["use_snap"]:
+                if agreed[a + 1]:
+                    e["max_at"] = len(maxima)
+                    maxima.append(e["max"])
+                elif e["key"] not in fallback_keys:
+                    fallback_keys.append(e["key"])  # non-finite everywhere: the key's largest over all parameters
+    with torch.no_grad():
+        for key in fallback_keys:
+            wide = torch.float32 if device.type == "mps" else torch.float64
+            best = [_finite_abs_max(local(st[key])).to(device, wide)
+                    for st in optimizer.state.values() if _checkable(st.get(key))]
+            maxima.append(torch.stack(best).amax() if best else torch.full((), -math.inf, dtype=wide, device=device))
+    agreed_max = agree.max(maxima, device) if device is not None else []
+    fallback = {k: agreed_max[len(maxima) - len(fallback_keys) + j] for j, k in enumerate(fallback_keys)}
+
+    # 3. write, each rank into its own shards --------------------------------------------------
+    with torch.no_grad():
+        for plan in plans:
+            name, pl, pflag = plan["name"], plan["p"], plan["pflag"]
             if pflag is not None:
-                src = from_snapshot(snap_model, name, None)
-                pmask = ~torch.isfinite(p)
-                if src is None:
+                if agreed[plan["at"]]:
                     unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason="no clean snapshot to copy the parameter from"))
                 elif not patch_params:
                     unrepaired.append(RepairAction(
                         name, None, pflag.nonfinite, "none",
                         reason=f"{poisoned_param_elems} poisoned parameter elements exceed max_param_fraction={max_param_fraction}"))
                 else:
-                    src = src.to(p.device, p.dtype)
-                    p.copy_(torch.where(pmask, src, p))
+                    src = plan["psrc"].to(pl.device, pl.dtype)
+                    pl.copy_(torch.where(~torch.isfinite(pl), src, pl))
                     repaired.append(RepairAction(name, None, pflag.nonfinite, "snapshot"))
-            i = index.get(id(p))
-            for k, v in st.items():
-                if not _checkable(v):
-                    continue
-                k = str(k)
-                kmask = mask if v.shape == p.shape else ~torch.isfinite(v)
-                count = int(kmask.sum())
+            for e in plan["keys"]:
+                k, vl, kmask, count = e["key"], e["vl"], e["kmask"], e["count"]
                 if count == 0:
                     continue
-                src = from_snapshot(snap_opt, i, k)
-                use_snap = src is not None and src.shape == v.shape and (not reset_state or k not in ZERO_KEYS | SECOND_MOMENT_KEYS)
-                if use_snap:
-                    src = src.to(v.device, v.dtype)
-                    if bool(torch.isfinite(src[kmask]).all()):
-                        v.copy_(torch.where(kmask, src, v))
-                        repaired.append(RepairAction(name, k, count, "snapshot"))
-                        continue
-                if k in ZERO_KEYS:
-                    v.masked_fill_(kmask, 0)
+                if e["use_snap"]:
+                    vl.copy_(torch.where(kmask, e["src"], vl))
+                    repaired.append(RepairAction(name, k, count, "snapshot"))
+                elif k in ZERO_KEYS:
+                    vl.masked_fill_(kmask, 0)
                     repaired.append(RepairAction(name, k, count, "zero"))
                 elif k in SECOND_MOMENT_KEYS:
-                    fin = v[torch.isfinite(v) & ~kmask]
-                    value = float(fin.abs().max()) if fin.numel() else key_max(k)
-                    if value is None:
-                        v.masked_fill_(kmask, 0)
+                    value = agreed_max[e["max_at"]] if "max_at" in e else fallback[k]
+                    if not math.isfinite(value):  # no finite value of this key anywhere
+                        vl.masked_fill_(kmask, 0)
                         repaired.append(RepairAction(name, k, count, "zero (no finite value)", 0.0))
                     else:
-                        v.masked_fill_(kmask, value)
+                        vl.masked_fill_(kmask, value)
                         repaired.append(RepairAction(name, k, count, "finite_max", value))
                 else:
                     unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
-        # buffers -----------------------------------------------------------------------------
+        # buffers (replicated, not sharded: copied back from the snapshot as they are) -------------
         for f in scan.buffers:
             _, b = scan._refs[(f.name, "buffer")]
+            b = local(b)
             src = from_snapshot(snap_model, f.name, "buffer")
             if src is None or src.shape != b.shape:
                 unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
