@@ -164,8 +164,7 @@ class Watcher:
         self._scaler_observed: tuple[bool] | None = None
         self._detached = False
 
-        specs = config.sinks if config.sinks is not None else default_sink_specs()
-        self.sinks: list[Sink] = build_sinks(specs, config.sink_options, rank=self.rank)
+        self.sinks: list[Sink] = []  # built last: a config error must not leave a tracker run open
 
         extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy, "earlywarn_watcher": _Counters(self)}
         extra.update(extra_state or {})
@@ -196,11 +195,17 @@ class Watcher:
             self._orig_scaler_step = self.scaler.step
             self.scaler.step = self._guarded_scaler_step  # type: ignore[method-assign]
 
-        # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
-        if optimizer.state:
-            report = self.recovery.repair(self._step)
-            if report.repaired:
-                self.counters["repaired_steps"] += 1
+        try:
+            specs = config.sinks if config.sinks is not None else default_sink_specs()
+            self.sinks = build_sinks(specs, config.sink_options, rank=self.rank)
+            # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
+            if optimizer.state:
+                report = self.recovery.repair(self._step)
+                if report.repaired:
+                    self.counters["repaired_steps"] += 1
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ public API
     @property

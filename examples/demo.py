@@ -24,8 +24,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import earlywarn  # noqa: E402
+import earlywarn.sinks  # noqa: E402
 from earlywarn.events import Kind, Level  # noqa: E402
 from tinygpt import GPT, CharDataset, GPTConfig, param_count, stdlib_text  # noqa: E402
+
+
+class ConsoleAboveBar(earlywarn.sinks.ConsoleSink):
+    """The console sink, printing above the progress bar (clears the bar's line first)."""
+
+    def alert(self, event: earlywarn.Event) -> None:
+        sys.stderr.write("\r\x1b[K")
+        super().alert(event)
 
 
 def progress(step: int, total: int, loss: float, note: str = "") -> None:
@@ -58,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"char-level GPT, {param_count(model) / 1e6:.2f}M params, on {len(text) / 1e6:.1f} MB of the Python "
           f"standard library's source ({len(dataset)} samples); {args.steps} steps")
 
-    sinks = {"mlflow": ["console", "jsonl", "mlflow"], "wandb": ["console", "jsonl", "wandb"], "none": ["console", "jsonl"]}[args.tracker]
+    console = ConsoleAboveBar(min_level="info")
+    sinks = {"mlflow": [console, "jsonl", "mlflow"], "wandb": [console, "jsonl", "wandb"], "none": [console, "jsonl"]}[args.tracker]
     sink_options = {
         "jsonl": {"path": os.path.join(args.out, "events.jsonl")},
         "mlflow": {"experiment": "earlywarn-demo", "run_name": "char-gpt-stdlib"},

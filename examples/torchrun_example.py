@@ -64,12 +64,8 @@ def main() -> None:
     # earlywarn: every rank builds its watcher; the statistics are made identical on every
     # rank (DDP: they already are; FSDP2 or a reported loss: one small all-reduce per step),
     # so every rank takes the same decision. Only rank 0 writes to the console / trackers.
-    options = {}
-    if args.fsdp:
-        # The recovery layer's state scan does not read DTensor shards yet: no snapshots/rewinds
-        # under FSDP2 for now (skips work; sharded checkpoints: earlywarn.distributed).
-        options["recovery"] = earlywarn.RecoveryConfig(snapshot_every=0, rewind=False)
-    ew = earlywarn.watch(wrapped, opt, loader=loader, sinks=["console"], **options)
+    # The defaults (snapshots, repair, rewind) work on FSDP2's shards too, with no gather.
+    ew = earlywarn.watch(wrapped, opt, loader=loader, sinks=["console"])
 
     step = 0
     while step < args.steps:

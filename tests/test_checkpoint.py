@@ -398,6 +398,42 @@ def _rank_worker(rank: int, world: int, tmp: str, port: int) -> None:
         dist.destroy_process_group()
 
 
+def test_a_collective_writer_is_chosen_explicitly_and_never_runs_in_the_background(tmp_path):
+    # Under torch.distributed the mode decides the layout: per-rank directories (torch.save, or a
+    # save_fn that is not collective) or one shared checkpoint (tests/test_distributed.py).
+    from earlywarn.distributed import dcp_checkpoint_fns
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    save_fn, load_fn = dcp_checkpoint_fns(model, opt)
+    assert save_fn.collective is True and load_fn.collective is True
+    d = str(tmp_path)
+    assert RecoveryConfig(checkpoint_dir=d, save_fn=save_fn, load_fn=load_fn).collective
+    assert not RecoveryConfig(checkpoint_dir=d, save_fn=save_fn, load_fn=load_fn, collective_save=False).collective
+    assert not RecoveryConfig(checkpoint_dir=d).collective
+
+    def plain_save(payload, path):
+        torch.save(payload, path)
+
+    def plain_load(path):
+        return torch.load(path, weights_only=True)
+
+    assert not RecoveryConfig(checkpoint_dir=d, save_fn=plain_save, load_fn=plain_load).collective
+    assert RecoveryConfig(checkpoint_dir=d, save_fn=plain_save, load_fn=plain_load, collective_save=True).collective
+    assert CheckpointManager(tmp_path, save_fn=save_fn, load_fn=load_fn).collective
+    assert not CheckpointManager(tmp_path, save_fn=plain_save, load_fn=plain_load).collective
+    with pytest.raises(ValueError, match="collective_save"):
+        RecoveryConfig(checkpoint_dir=d, collective_save=True)
+    with pytest.raises(ValueError, match="collective_save"):
+        RecoveryConfig(checkpoint_dir=d, save_fn=plain_save, load_fn=plain_load, collective_save="yes")
+    with pytest.raises(ValueError, match="checkpoint_async"):
+        RecoveryConfig(checkpoint_dir=d, checkpoint_async=True, save_fn=save_fn, load_fn=load_fn)
+    with pytest.raises(ValueError, match="async_write"):
+        CheckpointManager(tmp_path, async_write=True, save_fn=save_fn, load_fn=load_fn)
+    with pytest.raises(ValueError, match="collective=True"):
+        CheckpointManager(tmp_path, collective=True)
+
+
 @pytest.mark.distributed
 def test_each_rank_writes_its_own_directory(tmp_path):
     import socket

@@ -512,7 +512,7 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
     import earlywarn
     from earlywarn.distributed import dcp_checkpoint_fns
     from earlywarn.events import Kind
-    from earlywarn.recover import RecoveryConfig
+    from earlywarn.recover import Recovery, RecoveryConfig
     from earlywarn.recover.checkpoint import CheckpointManager
     from earlywarn.recover.snapshot import capture_state, restore_state
 
@@ -575,6 +575,17 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
                     "entries": sorted(p.name for p in (tmp / "run").iterdir()),
                     "quarantine": ew.recovery.quarantine_path.name}
     ew.close()
+
+    # the default torch.save writer is not collective: each rank its own complete files
+    rec = Recovery(model, opt, RecoveryConfig(checkpoint_dir=str(tmp / "perrank"), checkpoint_every=1,
+                                              snapshot_every=0))
+    saved = local_state(model, opt)
+    rec.after_step(1, clean=True)
+    train(range(2))
+    rec.resume(restore_data=False)
+    out["per_rank"] = {"entries": sorted(p.name for p in (tmp / "perrank").iterdir()),
+                       "files": sorted(p.name for p in (tmp / "perrank" / f"rank{rank}").iterdir()),
+                       "restored": same(saved, local_state(model, opt))}
     return out
 
 
@@ -837,3 +848,11 @@ def test_watcher_with_dcp_checkpoints_rewinds_every_rank_from_the_shared_checkpo
     assert not [e for e in w0["entries"] if e.startswith("rank") or e.startswith(".tmp")]
     assert "step-0000000006.clean.pt" in w0["entries"]
     assert {w0["quarantine"], w1["quarantine"]} == {"quarantine.rank0.jsonl", "quarantine.rank1.jsonl"}
+
+
+def test_default_writer_keeps_one_directory_per_rank_for_sharded_state(results):
+    for rank, r in enumerate(get(results, "dcp_manager")):
+        r = r["per_rank"]
+        assert r["entries"] == ["rank0", "rank1"]
+        assert r["files"] == ["step-0000000001.clean.pt"]
+        assert r["restored"]  # this rank's shards, read back with weights_only and copied in place

@@ -239,7 +239,7 @@ def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
             by_device[t.device].append(i)
     counts = [0] * len(entries)
     agree = _Agree()
-    if False:
+    if agree.world > 1:
         # one SUM all-reduce of all counts (one host read); a replicated element has several holders
         sums = agree.sum(counts_dev, local(entries[0][3]).device) if entries else []
         counts = [-(-c // agree.holders(t)) for c, (_, _, _, t) in zip(sums, entries)]

@@ -1,5 +1,12 @@
 """Where earlywarn's metrics and events go: console, JSONL, trackers, webhooks."""
 
-from earlywarn.sinks.base import METRIC_PREFIX, Sink, make_sink, register_sink, registered_sinks
+from earlywarn.sinks.background import BackgroundSink
+from earlywarn.sinks.base import METRIC_PREFIX, PermanentSinkError, Sink, make_sink, register_sink, registered_sinks
+from earlywarn.sinks.console import ConsoleSink
+from earlywarn.sinks.defaults import build_sinks, default_sink_specs
+from earlywarn.sinks.jsonl import JsonlSink
 
-__all__ = ["METRIC_PREFIX", "Sink", "make_sink", "register_sink", "registered_sinks"]
+__all__ = [
+    "METRIC_PREFIX", "BackgroundSink", "ConsoleSink", "JsonlSink", "PermanentSinkError", "Sink",
+    "build_sinks", "default_sink_specs", "make_sink", "register_sink", "registered_sinks",
+]
