@@ -162,6 +162,8 @@ class Watcher:
         self._last_alert_step: int | None = None
         self._incident_start: tuple[int, Any] | None = None  # (step, batch) of the first alert of an episode
         self._scaler_observed: tuple[bool] | None = None
+        self._deferring = False
+        self._recorded: PendingStep | None = None
         self._detached = False
 
         self.sinks: list[Sink] = []  # built last: a config error must not leave a tracker run open
@@ -357,21 +359,20 @@ class Watcher:
         vec, tag = self._begin(inv_scale)
 
         if self._fused:
-            finite = torch.isfinite(vec[:-2].sum())
-            found = (~finite).to(torch.float32)
-            prior = getattr(opt, "found_inf", None)
-            if isinstance(prior, torch.Tensor):
-                found = torch.maximum(found, prior.to(found.device, torch.float32))
+            # Device-side skip flag: the fused kernel reads it, no host sync needed.
+            found = (~torch.isfinite(vec[:-2].sum())).to(torch.float32)
             if self.mode == "async":
-                return self._fused_step(found, prior, vec, tag, args, kwargs)
+                ret = self._apply(found, args, kwargs)
+                ready = self._reader.push(vec, tag)  # the host sees this step one step late
+                if ready is not None:
+                    self._process(*ready)
+                return ret
             host = self._read_now(vec, tag)
             decision = self._decide(host, tag)
-            if decision.skip:
-                found = torch.ones_like(found)
             if decision.rewind:
                 self._run_rewind_or_repair(tag, decision)
                 return None
-            ret = self._fused_call(found, prior, args, kwargs)
+            ret = self._apply(torch.ones_like(found) if decision.skip else found, args, kwargs)
             self._after_step(tag, decision)
             return ret
 
@@ -380,12 +381,22 @@ class Watcher:
         if decision.rewind:
             self._run_rewind_or_repair(tag, decision)
             return None
-        ret = None if decision.skip else self._orig_step(*args, **kwargs)
+        ret = None if decision.skip else self._apply(None, args, kwargs)
         self._after_step(tag, decision)
         return ret
 
-    def _fused_call(self, found: torch.Tensor, prior: Any, args: Any, kwargs: Any) -> Any:
+    def _apply(self, found: torch.Tensor | None, args: Any, kwargs: Any) -> Any:
+        """Run the real optimizer step (fused: with the device skip flag), or record it when the
+        step is being decided ahead of time (:meth:`decide_step`)."""
+        if self._deferring:
+            self._recorded = PendingStep(apply=True, found_inf=found)
+            return None
+        if found is None:
+            return self._orig_step(*args, **kwargs)
         opt = self.optimizer
+        prior = getattr(opt, "found_inf", None)  # GradScaler's own flag, for fused optimizers
+        if isinstance(prior, torch.Tensor):
+            found = torch.maximum(found, prior.to(found.device, found.dtype))
         opt.found_inf = found  # type: ignore[attr-defined]
         try:
             return self._orig_step(*args, **kwargs)
@@ -395,13 +406,25 @@ class Watcher:
             else:
                 opt.found_inf = prior  # type: ignore[attr-defined]
 
-    def _fused_step(self, found: torch.Tensor, prior: Any, vec: torch.Tensor, tag: _Tag, args: Any, kwargs: Any) -> Any:
-        # Async: the kernel skips on the device; the host sees this step one step late.
-        ret = self._fused_call(found, prior, args, kwargs)
-        ready = self._reader.push(vec, tag)
-        if ready is not None:
-            self._process(*ready)
-        return ret
+    # ------------------------------------------------------------------ decide now, apply later
+    def decide_step(self) -> "PendingStep":
+        """Take this step's statistics and decision now; apply them with :meth:`apply_step`.
+
+        For trainers that clip gradients between backward and ``optimizer.step`` (Lightning):
+        call it after backward and before clipping, so the statistics see the raw gradients.
+        Skips, rewinds and halts are decided here exactly as inside ``optimizer.step``.
+        """
+        self._deferring, self._recorded = True, PendingStep(apply=False, found_inf=None)
+        try:
+            self._guarded_step()
+        finally:
+            self._deferring = False
+        pending, self._recorded = self._recorded, None
+        return pending
+
+    def apply_step(self, pending: "PendingStep", *args: Any, **kwargs: Any) -> Any:
+        """Apply a step decided by :meth:`decide_step` (a skipped step leaves everything as is)."""
+        return self._apply(pending.found_inf, args, kwargs) if pending.apply else None
 
     def _guarded_scaler_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._detached or optimizer is not self.optimizer or self._fused:
@@ -608,6 +631,15 @@ class _Counters:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # The step counter stays monotonic across a rewind (trackers drop lower steps).
         self._w.counters.update({k: v for k, v in state["counters"].items() if k not in self._w.counters})
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A step decided by :meth:`Watcher.decide_step`: whether to run the optimizer, and the
+    device skip flag a fused optimizer gets (``None`` for the others)."""
+
+    apply: bool
+    found_inf: torch.Tensor | None
 
 
 @dataclass

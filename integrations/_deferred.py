@@ -19,15 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from earlywarn.guard import Watcher
-
-
-class _Recorded:
-    __slots__ = ("apply", "found_inf")
-
-    def __init__(self, apply: bool, found_inf: torch.Tensor | None):
-        self.apply = apply
-        self.found_inf = found_inf
+from earlywarn.guard import PendingStep, Watcher
 
 
 class DeferredStep:
@@ -37,7 +29,7 @@ class DeferredStep:
         self.watcher = watcher
         self.optimizer = watcher.optimizer
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
-        self._pending: _Recorded | None = None
+        self._pending: PendingStep | None = None
         self._guarded: Callable[..., Any] = self.optimizer.step
         self.optimizer.step = self._step  # type: ignore[method-assign]
 
@@ -45,21 +37,16 @@ class DeferredStep:
         """The watcher's decision for this step, now. Call once per optimizer step, after
         backward and before any gradient clipping."""
         w, opt = self.watcher, self.optimizer
-        seen: list[torch.Tensor | None] = []
-        real = w._orig_step
-        w._orig_step = lambda *a, **k: seen.append(getattr(opt, "found_inf", None))  # type: ignore[method-assign]
         # A fused optimizer unscales inside its kernel, so its gradients are still scaled here:
         # hand the watcher the scale as GradScaler.step would (the norms are then unscaled).
         set_scale = self.scaler is not None and w._fused and getattr(opt, "grad_scale", None) is None
         if set_scale:
             opt.grad_scale = self.scaler._scale  # type: ignore[attr-defined, union-attr]
         try:
-            w._guarded_step()
+            self._pending = w.decide_step()
         finally:
-            w._orig_step = real  # type: ignore[method-assign]
             if set_scale:
                 del opt.grad_scale
-        self._pending = _Recorded(bool(seen), seen[0] if seen else None)
 
     def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = None
@@ -70,28 +57,8 @@ class DeferredStep:
         if pending is None:
             out = self._guarded(**kwargs)
             return loss if closure is not None else out
-        if pending.apply:
-            self._apply(pending, kwargs)
+        self.watcher.apply_step(pending, **kwargs)
         return loss
-
-    def _apply(self, pending: _Recorded, kwargs: dict[str, Any]) -> None:
-        w, opt = self.watcher, self.optimizer
-        if pending.found_inf is None:
-            w._orig_step(**kwargs)
-            return
-        # Fused Adam/AdamW: the watcher's device-side skip flag, merged with GradScaler's.
-        prior = getattr(opt, "found_inf", None)
-        found = pending.found_inf
-        if isinstance(prior, torch.Tensor):
-            found = torch.maximum(found, prior.to(found.device, found.dtype))
-        opt.found_inf = found  # type: ignore[attr-defined]
-        try:
-            w._orig_step(**kwargs)
-        finally:
-            if prior is None:
-                del opt.found_inf
-            else:
-                opt.found_inf = prior  # type: ignore[attr-defined]
 
     def remove(self) -> None:
         """Put the watcher's own wrapper back (before ``watcher.detach()``)."""

@@ -330,3 +330,25 @@ def test_bad_input_errors_name_the_fix():
             w.report_loss(torch.ones(3))
         finally:
             w.detach()
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "adamw_fused"])
+def test_decide_now_apply_later_for_trainers_that_clip_in_between(name):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = OPTIMIZERS[name](model.parameters())
+    ew = earlywarn.watch(model, opt, sinks=[])
+    for i, (x, y) in enumerate(batches(4)):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if i == 2:
+            inject_inf(model)
+        pending = ew.decide_step()  # statistics on the raw gradients...
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # ...before the trainer clips them
+        before = snapshot(model, opt)
+        ew.apply_step(pending)
+        changed = any(not torch.equal(a, b) for a, b in zip(before[0], snapshot(model, opt)[0]))
+        assert changed == (i != 2)
+    assert [e.step for e in ew.events if e.kind is Kind.SKIP] == [2]
+    assert all_finite(model, opt)
+    ew.close()
