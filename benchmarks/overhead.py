@@ -4,7 +4,8 @@
 
 GPT-like model (6 layers, d=384, 6 heads, seq 256, batch 8, ~11M params) on CPU, fused AdamW.
 Variants run interleaved (round-robin, rotating order) so machine noise hits all of them alike;
-each figure is the median over --steps steps. Printed ratios are to the bare step.
+"ratio" is the median step time over the bare step's median; "paired" is the median over rounds of
+(variant time / bare time in the same round), which cancels slow drifts of a shared machine.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
             nonlocal wandb_run
             wandb_run = wandb.init(project="earlywarn-bench")
             wandb.watch(m, log="gradients", log_freq=1)
-            return (lambda loss: wandb_run.log({"loss": float(loss)})), None
+            return (lambda loss: wandb_run.log({"loss": loss.item()})), None
 
         add('+ wandb.watch(log="gradients", log_freq=1)', with_wandb)
 
@@ -108,14 +109,32 @@ def main() -> None:
             fn()
             (t_stats if name == "stats" else t_norm).append(time.perf_counter() - t0)
 
+    # Decomposed: the guard's own cost, paired on the same gradients (guarded step, then the bare
+    # optimizer step it wraps), far less exposed to noise than whole ~1 s steps.
+    guarded_opt = variants["+ earlywarn (sync)"]["opt"]
+    extra = []
+    for r in range(60):
+        t0 = time.perf_counter()
+        guarded_opt.step()
+        t1 = time.perf_counter()
+        ew._orig_step()
+        t2 = time.perf_counter()
+        extra.append((t1 - t0) - (t2 - t1))
+
     base = statistics.median(variants["bare step"]["times"])
     model = variants["bare step"]["model"]
     print(f"model: {param_count(model) / 1e6:.1f}M params, batch 8 x 256, fused AdamW, {torch.get_num_threads()} threads, "
           f"{args.steps} interleaved steps per variant (median)")
-    print(f"{'variant':45s} {'ms/step':>9s} {'ratio':>7s}")
+    print(f"{'variant':45s} {'ms/step':>9s} {'ratio':>7s} {'paired':>7s}")
+    bare_times = variants["bare step"]["times"]
     for name in names:
-        med = statistics.median(variants[name]["times"])
-        print(f"{name:45s} {med * 1e3:9.1f} {med / base:7.3f}x")
+        times = variants[name]["times"]
+        med = statistics.median(times)
+        # Paired: each round's time over the same round's bare step, so slow drifts cancel.
+        paired = statistics.median(t / b for t, b in zip(times, bare_times))
+        print(f"{name:45s} {med * 1e3:9.1f} {med / base:7.3f}x {paired:6.3f}x")
+    guard_cost = statistics.median(extra)
+    print(f"{'earlywarn guard cost, paired (60 reps)':45s} {guard_cost * 1e3:9.2f} -> {1 + guard_cost / base:.4f}x of the bare step")
     ms, mn = statistics.median(t_stats), statistics.median(t_norm)
     print(f"{'earlywarn stats pass (norms + 1 host read)':45s} {ms * 1e3:9.2f} {ms / mn:7.3f}x of one bare torch._foreach_norm ({mn * 1e3:.2f} ms)")
     ew.close()
