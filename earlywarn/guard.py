@@ -547,7 +547,8 @@ class Watcher:
         symptom is a non-finite loss or poisoned parameters, the last step that was applied
         (its update wrote the damage); else this step's own batch."""
         kinds = {a.kind for a in decision.alerts}
-        layer = next((a.layer for a in decision.alerts if a.layer), None) or scan.first_layer
+        # Poisoned state names its own origin; otherwise the layer whose gradient moved first.
+        layer = scan.first_layer or next((a.layer for a in decision.alerts if a.layer), None)
         if Kind.LOSS_NONFINITE in kinds:
             symptom = "the loss turned NaN" if decision.obs.loss is not None and math.isnan(decision.obs.loss) else "the loss turned non-finite"
         elif Kind.LOSS_DIVERGED in kinds:

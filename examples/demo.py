@@ -47,9 +47,9 @@ def progress(step: int, total: int, loss: float, note: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--bad-batch-step", type=int, default=80)
-    ap.add_argument("--poison-step", type=int, default=190)
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--bad-batch-step", type=int, default=60)
+    ap.add_argument("--poison-step", type=int, default=150)
     ap.add_argument("--tracker", choices=["mlflow", "wandb", "none"], default="mlflow")
     ap.add_argument("--out", default="earlywarn_demo", help="folder for the event log, checkpoints and quarantine list")
     ap.add_argument("--threads", type=int, default=2)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     text = stdlib_text(600_000)
     dataset = CharDataset(text, block_size=64)
     loader = earlywarn.ResumableLoader(dataset, batch_size=16, shuffle=True, seed=0)
-    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64))
+    model = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=96, block_size=64))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, fused=True)
     print(f"char-level GPT, {param_count(model) / 1e6:.2f}M params, on {len(text) / 1e6:.1f} MB of the Python "
           f"standard library's source ({len(dataset)} samples); {args.steps} steps")
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'step':>5s}  {'level':8s}  {'what':14s}  message")
     for e in ew.events:
         if e.level >= Level.WARNING or e.kind in (Kind.REPAIR, Kind.REWIND, Kind.QUARANTINE, Kind.CHECKPOINT):
-            msg = e.message if len(e.message) < 150 else e.message[:147] + "..."
+            full = e.kind in (Kind.REWIND, Kind.REPAIR)  # these carry the blame: print all of it
+            msg = e.message if full or len(e.message) < 150 else e.message[:147] + "..."
             print(f"  {e.step:5d}  {str(e.level):8s}  {str(e.kind):14s}  {msg}")
     print("\ncounters: " + ", ".join(f"{k}={v}" for k, v in ew.summary().items() if v))
     print(f"event log: {os.path.join(args.out, 'events.jsonl')}; quarantine list: {os.path.join(args.out, 'quarantine.jsonl')}")
