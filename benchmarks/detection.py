@@ -4,7 +4,10 @@ Data
 - The corpus of ``benchmarks/corpus.py``: tiny char-level GPTs really trained on CPU on the Python
   standard library (LR sweeps with/without warm-up, with/without qk-layernorm + z-loss, clipped or
   not; one injected bad batch; healthy runs). Per step: loss, global and per-layer grad norms.
-  Generated once (a few minutes) and cached under ``benchmarks/.cache/``.
+  Two parts: the development corpus (``run_specs``, on which earlywarn's defaults were chosen)
+  and a held-out corpus (``holdout_specs``: other seeds, learning rates and warm-ups, generated
+  after the defaults were fixed). Generated once (a few minutes) and cached under
+  ``benchmarks/.cache/``.
 - The real logs in ``tests/data/realruns`` (copies of ``../shared/data/realruns``): the healthy
   llm.c GPT-2 run (19,560 steps) and the Megatron lines quoted in the BigScience chronicles.
 
@@ -12,21 +15,32 @@ Labels (one rule for every run, real or generated)
   The collapse step is the first logged step ``t`` whose loss is non-finite, or whose loss is at
   least 1.5x the median of the (up to) 50 previous finite losses and which does not recover: every
   loss logged within the next 20 steps stays at least 1.2x that median (or is non-finite). A run
-  without such a step is healthy. A collapse is scored when at least 50 steps of the run precede
-  it; a real-run snippet (a few quoted lines from the middle of a long run) is always scored.
+  without such a step is healthy.
+
+Which collapses are scored (the same rule for every run and every detector)
+  A collapse is scored when at least 50 logged steps precede it, or when the run comes with a
+  prior baseline of its typical values (the BLOOM-176B snippet, given its run's typical grad norm
+  0.2 as the issue specifies; the peers have no such notion and see the lines as they are).
+  Otherwise no streaming detector has a history to judge it against: it is listed as *not
+  scorable* and counts for nobody (collapses in the first steps of a run from scratch, and the
+  Megatron snippets of 3-9 quoted lines). A generated run whose logged series up to its collapse
+  (or its end) are identical to an earlier run's is the same event (two LR schedules that coincide
+  during warm-up) and is counted once.
 
 Scoring
   An *alarm* is an earlywarn alert at level ``warning`` or above (an ``info`` spike is not an
   alarm), and any firing of a peer rule. An alarm in ``[t - H, t - 1]`` (H = 25 steps) detects
   the collapse with lead ``t - first alarm``; alarms earlier than ``t - H`` and every alarm of a
   healthy run are false alarms, counted as onsets (an alarm with no alarm in the 10 steps before
-  it) per 10,000 healthy steps (steps before ``t - H``, or all steps of a healthy run). The last
-  column restricts that to the runs meant to be healthy (the ``healthy`` and ``badbatch`` groups
-  and llm.c), leaving out the LR-sweep runs that thrash without collapsing. The
-  BLOOM-176B snippet is given its run's typical grad norm (0.2) as a prior baseline, as the issue
-  specifies; the peers have no such notion and see the lines as they are.
+  it) per 10,000 healthy steps (steps before ``t - H``, or all steps of a healthy run). Further
+  columns: the median lead of the *clean* detections (no alarm of that detector in the 25 steps
+  before its first alarm in the window: a detector that alarms all the time gets long leads by
+  chance), and the false-alarm rate on the runs meant to be healthy only (the ``healthy`` and
+  ``badbatch`` groups and llm.c; the LR-sweep runs that thrash without collapsing are left out).
+  The *matched* table re-runs each peer that has a threshold at the most sensitive setting of a
+  fixed ladder whose false-alarm rate is at most earlywarn's, and compares recall and lead there.
 
-Usage: ``python benchmarks/detection.py [--verbose] [--no-corpus]``
+Usage: ``python benchmarks/detection.py [--verbose] [--no-corpus] [--no-holdout] [--no-matched]``
 """
 
 from __future__ import annotations
@@ -72,6 +86,8 @@ class BenchRun:
     baseline: dict | None = None
     collapse: int | None = None  # index into steps
     scored: bool = False
+    part: str = "real"  # "dev" | "held-out" | "real"
+    duplicate_of: str | None = None
 
     def observations(self) -> list[Observation]:
         out = []
@@ -109,19 +125,42 @@ def label(steps: np.ndarray, loss: np.ndarray, window: int = 50, ratio: float = 
     return None
 
 
-def corpus_runs() -> list[BenchRun]:
+def is_scored(run: BenchRun) -> bool:
+    """The scoring rule of the module doc: enough history, or a prior baseline."""
+    return run.collapse is not None and (run.collapse >= MIN_HISTORY or run.baseline is not None)
+
+
+def corpus_runs(holdout: bool = False) -> list[BenchRun]:
     from corpus import load_corpus
 
     runs = []
-    for r in load_corpus(verbose=True):
+    for r in load_corpus(verbose=True, holdout=holdout):
         steps = np.arange(len(r.loss))
         b = BenchRun(r.name, "corpus", r.spec.group, steps, r.loss.astype(np.float64),
                      r.grad_norm.astype(np.float64), r.layer_norms.astype(np.float64),
-                     r.layer_nonfinite.astype(np.float64), r.layer_names)
+                     r.layer_nonfinite.astype(np.float64), r.layer_names,
+                     part="held-out" if holdout else "dev")
         b.collapse = label(steps, b.loss)
-        b.scored = b.collapse is not None and b.collapse >= MIN_HISTORY
+        b.scored = is_scored(b)
         runs.append(b)
     return runs
+
+
+def mark_duplicates(runs: list[BenchRun]) -> None:
+    """A generated run identical to an earlier one up to its collapse (or end) is the same event."""
+    seen: list[BenchRun] = []
+    for r in runs:
+        if r.source != "corpus":
+            continue
+        end = r.collapse + 1 if r.collapse is not None else len(r.steps)
+        for q in seen:
+            qend = q.collapse + 1 if q.collapse is not None else len(q.steps)
+            if (end == qend and np.array_equal(r.loss[:end], q.loss[:end], equal_nan=True)
+                    and np.array_equal(r.grad_norm[:end], q.grad_norm[:end], equal_nan=True)):
+                r.duplicate_of = q.name
+                break
+        else:
+            seen.append(r)
 
 
 def real_runs() -> list[BenchRun]:
@@ -153,7 +192,7 @@ def real_runs() -> list[BenchRun]:
                      loss_scale=ls if np.isfinite(ls).any() else None,
                      baseline=BLOOM_PRIOR if snip.startswith("tr11-176B-ml/chronicles.md#block7") else None)
         b.collapse = label(steps, b.loss)
-        b.scored = b.collapse is not None
+        b.scored = is_scored(b)
         runs.append(b)
     return runs
 
@@ -180,11 +219,23 @@ def contenders(cfg: DetectorConfig | None = None) -> list[Contender]:
     ]
 
 
+# the peers' sensitivity knobs, most sensitive first (their published defaults are on the ladder)
+MATCH_LADDERS: dict[str, tuple[str, Callable[[BenchRun, float], object], tuple[float, ...]]] = {
+    "OLMo-core SkipStep": ("sigma", lambda r, v: OlmoSkipStep(sigma=v),
+                           (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0)),
+    "ZClip": ("z_thresh", lambda r, v: ZClipRule(z_thresh=v),
+              (2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0)),
+    "KillLossSpike": ("outlier_multiplier", lambda r, v: KillLossSpike(outlier_multiplier=v, max_steps=len(r.steps)),
+                      (1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0)),
+}
+
+
 @dataclass
 class Score:
     events: int = 0
     detected: int = 0
     leads: list[int] = field(default_factory=list)
+    clean_leads: list[int] = field(default_factory=list)
     false_alarms: int = 0
     healthy_steps: int = 0
     fa_healthy_runs: int = 0  # false alarms in runs that never collapse (healthy / bad batch / llm.c)
@@ -192,20 +243,35 @@ class Score:
     per_event: dict[str, int | None] = field(default_factory=dict)
     fa_runs: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def recall(self) -> float:
+        return self.detected / self.events if self.events else float("nan")
 
-def alarm_steps(c: Contender, run: BenchRun, obs: list[Observation]) -> list[int]:
-    det = c.make(run)
+    @property
+    def median_lead(self) -> float:
+        return float(np.median(self.leads)) if self.leads else float("nan")
+
+    @property
+    def fa_rate(self) -> float:
+        return 1e4 * self.false_alarms / self.healthy_steps if self.healthy_steps else float("nan")
+
+
+def alarm_steps(det: object, is_alarm: Callable[[object], bool], obs: list[Observation]) -> list[int]:
     out = []
     for i, o in enumerate(obs):
-        if any(c.is_alarm(e) for e in det.observe(o)):
+        if any(is_alarm(e) for e in det.observe(o)):
             out.append(i)
     return out
 
 
+def counted(run: BenchRun) -> bool:
+    return run.duplicate_of is None and not (run.collapse is not None and not run.scored)
+
+
 def score_run(sc: Score, run: BenchRun, alarms: list[int]) -> None:
     steps = run.steps
-    if run.collapse is not None and not run.scored:
-        return  # too early to score (no history); listed, not counted
+    if not counted(run):
+        return  # not scorable or a duplicate: listed, not counted
     if run.collapse is None:
         healthy_end = len(steps)
     else:
@@ -217,6 +283,8 @@ def score_run(sc: Score, run: BenchRun, alarms: list[int]) -> None:
         if lead is not None:
             sc.detected += 1
             sc.leads.append(lead)
+            if not any(steps[first] - HORIZON <= steps[i] < steps[first] for i in alarms):
+                sc.clean_leads.append(lead)
         healthy_end = int(np.searchsorted(steps, steps[t] - HORIZON))
     sc.healthy_steps += healthy_end
     prev = None
@@ -235,31 +303,58 @@ def score_run(sc: Score, run: BenchRun, alarms: list[int]) -> None:
         sc.fa_runs[run.name] = n_fa
 
 
+PARTS = ("all", "dev", "held-out", "real")
+
+
 def run_benchmark(runs: list[BenchRun], cfg: DetectorConfig | None = None,
-                  only: str | None = None) -> dict[str, Score]:
-    scores = {}
+                  only: str | None = None) -> dict[str, dict[str, Score]]:
+    """``{detector: {part: Score}}`` for the parts of PARTS."""
+    scores: dict[str, dict[str, Score]] = {}
     obs_cache = {r.name: r.observations() for r in runs}
     for c in contenders(cfg):
         if only and only.lower() not in c.name.lower():
             continue
-        sc = Score()
+        by = {p: Score() for p in PARTS}
         for r in runs:
-            score_run(sc, r, alarm_steps(c, r, obs_cache[r.name]))
-        scores[c.name] = sc
+            al = alarm_steps(c.make(r), c.is_alarm, obs_cache[r.name])
+            score_run(by["all"], r, al)
+            score_run(by[r.part], r, al)
+        scores[c.name] = by
     return scores
 
 
-def table(scores: dict[str, Score]) -> str:
-    head = (f"{'detector':20s} {'recall@lead>=1':>15s} {'median lead':>12s} "
+def matched(runs: list[BenchRun], target_fa: float) -> list[tuple[str, str, float | None, Score | None]]:
+    """Each peer with a threshold at the most sensitive ladder setting with FA/10k <= target."""
+    obs_cache = {r.name: r.observations() for r in runs if counted(r)}
+    out = []
+    for name, (knob, make, ladder) in MATCH_LADDERS.items():
+        pick: tuple[float, Score] | None = None
+        for v in ladder:
+            sc = Score()
+            for r in runs:
+                if counted(r):
+                    score_run(sc, r, alarm_steps(make(r, v), lambda e: True, obs_cache[r.name]))
+            if sc.fa_rate <= target_fa:
+                pick = (v, sc)
+                break
+        out.append((name, knob, None if pick is None else pick[0], None if pick is None else pick[1]))
+    return out
+
+
+def _row(name: str, s: Score) -> str:
+    med_clean = float(np.median(s.clean_leads)) if s.clean_leads else float("nan")
+    fah = 1e4 * s.fa_healthy_runs / s.steps_healthy_runs if s.steps_healthy_runs else float("nan")
+    return (f"{name:20s} {s.recall:>14.1%} {s.median_lead:>12.1f} "
+            f"{f'{med_clean:.1f} ({len(s.clean_leads)})':>16s} {s.fa_rate:>17.2f} "
+            f"{f'{s.detected}/{s.events}':>7s} {s.healthy_steps:>14d} {fah:>20.2f}")
+
+
+def table(scores: dict[str, dict[str, Score]], part: str = "all") -> str:
+    head = (f"{'detector':20s} {'recall@lead>=1':>14s} {'median lead':>12s} {'clean lead (n)':>16s} "
             f"{'false alarms/10k':>17s} {'events':>7s} {'healthy steps':>14s} {'FA/10k healthy runs':>20s}")
     lines = [head, "-" * len(head)]
-    for name, s in scores.items():
-        recall = s.detected / s.events if s.events else float("nan")
-        med = float(np.median(s.leads)) if s.leads else float("nan")
-        fa = 1e4 * s.false_alarms / s.healthy_steps if s.healthy_steps else float("nan")
-        fah = 1e4 * s.fa_healthy_runs / s.steps_healthy_runs if s.steps_healthy_runs else float("nan")
-        lines.append(f"{name:20s} {recall:>14.1%} {med:>12.1f} {fa:>17.2f} "
-                     f"{f'{s.detected}/{s.events}':>7s} {s.healthy_steps:>14d} {fah:>20.2f}")
+    for name, by in scores.items():
+        lines.append(_row(name, by[part]))
     return "\n".join(lines)
 
 
@@ -294,42 +389,80 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verbose", action="store_true", help="per-event leads and false-alarm runs")
     ap.add_argument("--no-corpus", action="store_true", help="real logs only (no training)")
+    ap.add_argument("--no-holdout", action="store_true", help="leave out the held-out corpus")
+    ap.add_argument("--no-matched", action="store_true", help="skip the matched false-alarm table")
     ap.add_argument("--config", default=None, help="a DetectorConfig JSON file for earlywarn")
     ap.add_argument("--only", default=None, help="run only detectors whose name contains this")
     a = ap.parse_args(argv)
     cfg = DetectorConfig.from_file(a.config) if a.config else None
     t0 = time.perf_counter()
-    runs = ([] if a.no_corpus else corpus_runs()) + real_runs()
+    runs: list[BenchRun] = []
+    if not a.no_corpus:
+        runs += corpus_runs()
+        if not a.no_holdout:
+            runs += corpus_runs(holdout=True)
+    runs += real_runs()
+    mark_duplicates(runs)
     t1 = time.perf_counter()
     scores = run_benchmark(runs, cfg, a.only)
     t2 = time.perf_counter()
     n_events = sum(r.collapse is not None for r in runs)
-    n_scored = sum(r.scored for r in runs)
-    print(f"runs: {len(runs)} ({sum(r.source == 'corpus' for r in runs)} generated, "
-          f"{sum(r.source == 'real' for r in runs)} real); collapses: {n_events}, scored: {n_scored} "
-          f"(unscored: collapse within the first {MIN_HISTORY} steps of a run from scratch); "
+    n_scored = sum(r.scored and r.duplicate_of is None for r in runs)
+    n_gen = sum(r.source == "corpus" for r in runs)
+    n_ho = sum(r.part == "held-out" for r in runs)
+    print(f"runs: {len(runs)} ({n_gen} generated: {n_gen - n_ho} development + {n_ho} held-out; "
+          f"{sum(r.source == 'real' for r in runs)} real); collapses: {n_events}, scored: {n_scored}; "
           f"horizon {HORIZON} steps")
     print(table(scores))
+    parts = [p for p in ("dev", "held-out", "real") if any(r.part == p for r in runs)]
+    if len(parts) > 1:
+        print("\nby part (recall / median lead / false alarms per 10k):")
+        print(f"{'detector':20s} " + " ".join(f"{p:>28s}" for p in parts))
+        for name, by in scores.items():
+            cells = []
+            for p in parts:
+                s = by[p]
+                cells.append(f"{f'{s.detected}/{s.events}':>7s} {s.recall:>6.0%} {s.median_lead:>5.1f} {s.fa_rate:>7.2f}")
+            print(f"{name:20s} " + " ".join(f"{c:>28s}" for c in cells))
+    ns = [r for r in runs if r.collapse is not None and not r.scored]
+    dups = [r for r in runs if r.duplicate_of is not None]
+    print(f"\nnot scorable (fewer than {MIN_HISTORY} logged steps before the collapse and no prior baseline; "
+          f"the same for every detector): {len(ns)}")
+    print("  " + ", ".join(f"{r.name} (collapse at row {r.collapse})" for r in ns))
+    if dups:
+        print("counted once (identical to an earlier run up to the collapse): "
+              + ", ".join(f"{r.name} = {r.duplicate_of}" for r in dups))
     for line in bloom_and_llmc_checks(runs, cfg):
         print(line)
+    if "earlywarn" in scores and not a.no_matched and (not a.only or "earlywarn" in a.only.lower()):
+        ew = scores["earlywarn"]["all"]
+        print(f"\nat matched false-alarm rate (each peer at the most sensitive setting with FA/10k <= "
+              f"earlywarn's {ew.fa_rate:.2f}):")
+        print(f"{'detector':20s} {'setting':>22s} {'recall@lead>=1':>15s} {'median lead':>12s} "
+              f"{'false alarms/10k':>17s} {'events':>7s}")
+        print(f"{'earlywarn':20s} {'defaults':>22s} {ew.recall:>14.1%} {ew.median_lead:>12.1f} "
+              f"{ew.fa_rate:>17.2f} {f'{ew.detected}/{ew.events}':>7s}")
+        for name, knob, v, s in matched(runs, ew.fa_rate):
+            if s is None:
+                print(f"{name:20s} {'(none on the ladder)':>22s}")
+            else:
+                print(f"{name:20s} {f'{knob}={v:g}':>22s} {s.recall:>14.1%} {s.median_lead:>12.1f} "
+                      f"{s.fa_rate:>17.2f} {f'{s.detected}/{s.events}':>7s}")
     if a.verbose:
         print("\nper event (lead in steps; - = missed):")
         names = list(scores)
-        ev = [r for r in runs if r.scored]
+        ev = [r for r in runs if r.scored and r.duplicate_of is None]
         print(f"{'run':42s} {'collapse':>8s} " + " ".join(f"{n[:12]:>12s}" for n in names))
         for r in ev:
             cells = []
             for n in names:
-                lead = scores[n].per_event.get(r.name)
+                lead = scores[n]["all"].per_event.get(r.name)
                 cells.append(f"{'-' if lead is None else lead:>12}")
             print(f"{r.name:42s} {int(r.steps[r.collapse]):>8d} " + " ".join(cells))
-        unscored = [r.name for r in runs if r.collapse is not None and not r.scored]
-        if unscored:
-            print("unscored (collapse too early):", ", ".join(unscored))
         for n in names:
-            if scores[n].fa_runs:
-                print(f"false alarms {n}: {scores[n].fa_runs}")
-    print(f"(data {t1 - t0:.1f}s, detection {t2 - t1:.1f}s)")
+            if scores[n]["all"].fa_runs:
+                print(f"false alarms {n}: {scores[n]['all'].fa_runs}")
+    print(f"(data {t1 - t0:.1f}s, detection {t2 - t1:.1f}s, total {time.perf_counter() - t0:.1f}s)")
     return 0
 
 

@@ -161,11 +161,100 @@ def test_state_dict_round_trip_mid_run_gives_the_same_alerts(cut):
         assert _alerts_key(got + rest) == _alerts_key(expected)
 
 
-def test_state_from_dict_rejects_a_mismatched_layout():
+def _mixed_run(n: int = 400, seed: int = 12):
+    """Every path at once: warm-up, calm stretches, spikes, an escalation, a skipped step, a
+    non-finite step, a frozen (zero) layer, an update norm that appears, loss-scale readings."""
+    lay, g, loss = _calm_run(n, seed)
+    rng = np.random.default_rng(seed)
+    obs = []
+    for i in range(n):
+        cur = lay[i].copy()
+        gi, li, kw = g[i], loss[i], {}
+        if i % 97 == 50:
+            cur *= 6.0
+            gi *= 6.0
+        if 300 <= i < 306:
+            cur[3] *= 2.0 ** (i - 299)
+            gi *= 1.5 ** (i - 299)
+            li *= 1.0 + 0.05 * (i - 299)
+        if 120 <= i < 200:
+            cur[5] = 0.0
+        extras = {"loss_scale": 65536.0 if i != 250 else 32768.0}
+        if i >= 150:
+            extras["update_norm"] = float(0.01 * np.exp(rng.normal(0, 0.05)))
+        if i == 220:
+            kw["skipped"] = True
+        if i == 330:
+            cur[2] = np.nan
+            gi = float("nan")
+        obs.append(_obs(i, gi, li, cur, extras=extras, **kw))
+    return obs
+
+
+def test_calm_and_general_paths_compute_the_same():
+    # the calm path is an optimisation: forcing every step through the general path must give
+    # bit-identical state and the same alerts
+    obs = _mixed_run()
+    out = []
+    for force in (False, True):
+        sd = StreamingDetector(layer_names=LAYERS)
+        sd.detector._force_full = force
+        alerts = [a for o in obs for a in sd.observe(o)]
+        out.append((_alerts_key(alerts), sd.state))
+    (a1, s1), (a2, s2) = out
+    assert a1 == a2 and any(k[2] >= Level.WARNING for k in a1)
+    np.testing.assert_array_equal(s1.stats, s2.stats)
+    # an absent channel's deviation reads 0 after a calm step and NaN after a general one
+    np.testing.assert_array_equal(np.nan_to_num(s1.dev), np.nan_to_num(s2.dev))
+    assert s1.joint == s2.joint and s1._replace(stats=None, dev=None) == s2._replace(stats=None, dev=None)
+
+
+def test_calm_steps_take_the_calm_path_even_with_a_frozen_layer():
+    lay, g, loss = _calm_run(600, seed=13)
+    lay[:, 5] = 0.0  # a frozen layer reports 0 on every step: absent, not a reason to slow down
+    sd = StreamingDetector(layer_names=LAYERS)
+    calls = []
+    general = sd.detector._general
+    sd.detector._general = lambda *a: (calls.append(1), general(*a))[1]
+    for i in range(600):
+        assert not sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    assert len(calls) < 60  # warm-up and the odd outlier; ~600 would mean every step
+    assert "grad_norm/h.5" not in sd.baselines()
+
+
+def test_state_from_dict_rejects_a_mismatched_layout_or_an_older_version():
     sd = StreamingDetector(layer_names=LAYERS).state_dict()
+    with pytest.raises(ValueError, match="version 1"):
+        DetectorState.from_dict({**sd, "version": 1})
     sd["stats"] = np.zeros((3, 3))
     with pytest.raises(ValueError, match="stats shape"):
         DetectorState.from_dict(sd)
+
+
+def test_a_checkpoint_from_an_older_version_starts_the_detector_afresh_with_a_warning():
+    obs = _escalating_run()
+    sd = StreamingDetector(layer_names=LAYERS)
+    for o in obs[:100]:
+        sd.observe(o)
+    old = {**sd.state_dict(), "version": 1}
+    fresh = StreamingDetector(layer_names=LAYERS)
+    with pytest.warns(UserWarning, match="starts afresh"):
+        fresh.load_state_dict(old)
+    assert fresh.layer_names == tuple(LAYERS) and fresh.state.step == -1
+
+
+@pytest.mark.parametrize("cut", [130, 180, 260, 303])
+def test_state_dict_round_trip_with_absent_layers_and_extras(cut):
+    obs = _mixed_run()
+    whole = StreamingDetector(layer_names=LAYERS)
+    expected = [a for o in obs for a in whole.observe(o)]
+    first = StreamingDetector(layer_names=LAYERS)
+    got = [a for o in obs[:cut] for a in first.observe(o)]
+    second = StreamingDetector(layer_names=LAYERS)
+    second.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    got += [a for o in obs[cut:] for a in second.observe(o)]
+    assert _alerts_key(got) == _alerts_key(expected)
+    np.testing.assert_array_equal(second.state.stats, whole.state.stats)
 
 
 def test_layer_norms_must_match_the_layer_names():
@@ -351,6 +440,64 @@ def test_scaler_overflow_is_info_and_its_stale_values_stay_out():
     assert sd.observe(Observation(step=109, grad_norm=1.0, loss=2.0, extras={"loss_scale": scale / 2})) == []
 
 
+def _together_run(rise_steps: int, g_rise: float, loss_rise: float, seed: int = 14, n_calm: int = 300,
+                  tail: int = 0):
+    """Calm, then ``rise_steps`` steps with the grad norm and the loss multiplied by growing
+    factors, then (``tail`` steps) back to calm."""
+    lay, g, loss = _calm_run(n_calm + rise_steps + tail, seed)
+    obs = [_obs(i, g[i], loss[i], lay[i]) for i in range(n_calm)]
+    for j in range(1, rise_steps + 1):
+        i = n_calm + j - 1
+        obs.append(_obs(i, g[i] * g_rise ** j, loss[i] * loss_rise ** j, lay[i] * g_rise ** j))
+    for i in range(n_calm + rise_steps, n_calm + rise_steps + tail):
+        obs.append(_obs(i, g[i], loss[i], lay[i]))
+    return obs
+
+
+def test_grad_norm_and_loss_rising_together_warn_before_the_loss_jumps():
+    # grad norm +20% and loss +5% per step (both ~2 scales above baseline after two steps):
+    # no single step is a spike, together they are the lead-up to a divergence
+    obs = _together_run(6, 1.2, 1.05)
+    res = replay(obs, layer_names=LAYERS)
+    warn = res.first(Level.WARNING)
+    assert warn is not None and warn.kind == Kind.COLLAPSE_RISK and warn.step <= 303
+    assert "rising together" in warn.message and warn.signal == "grad_norm"
+    assert warn.values["cusum"] >= DetectorConfig().drift_h
+    assert not [a for a in res.alerts if a.step < 300]
+
+
+def test_grad_norm_plateau_with_a_flat_loss_does_not_warn():
+    # the llm.c pattern: the grad norm at 1.5-2x for eight steps, the loss unmoved
+    lay, g, loss = _calm_run(400, seed=15)
+    obs = []
+    for i in range(400):
+        f = 1.8 if 300 <= i < 308 else 1.0
+        obs.append(_obs(i, g[i] * f, loss[i], lay[i] * f))
+    res = replay(obs, layer_names=LAYERS)
+    assert not res.at_least(Level.WARNING)
+
+
+def test_single_bad_batch_with_loss_and_grad_up_at_once_is_not_a_warning():
+    lay, g, loss = _calm_run(400, seed=16)
+    obs = []
+    for i in range(400):
+        f, fl = (20.0, 1.4) if i == 300 else (1.0, 1.0)
+        obs.append(_obs(i, g[i] * f, loss[i] * fl, lay[i] * f))
+    res = replay(obs, layer_names=LAYERS)
+    assert not res.at_least(Level.WARNING)
+    assert [a.kind for a in res.alerts] == [Kind.GRAD_SPIKE]
+
+
+def test_warnings_repeat_while_the_rise_goes_on_and_stop_when_it_recovers():
+    cfg = DetectorConfig()
+    obs = _together_run(40, 1.04, 1.012, tail=200)
+    res = replay(obs, layer_names=LAYERS)
+    warns = [a.step for a in res.alerts if a.kind == Kind.COLLAPSE_RISK]
+    assert len(warns) >= 2
+    assert all(b - a >= cfg.rearm_steps for a, b in zip(warns, warns[1:]))
+    assert warns[-1] < 340  # nothing once the values are back to normal
+
+
 # -- real runs ----------------------------------------------------------------------------------
 
 
@@ -405,19 +552,40 @@ def test_baseline_keys_are_validated():
 # -- cost ---------------------------------------------------------------------------------------
 
 
-def test_update_allocates_nothing_that_grows():
+def test_observe_updates_in_place_and_allocates_nothing_that_grows():
     lay, g, loss = _calm_run(6000, seed=11, layers=50)
     names = [f"l{i}" for i in range(50)]
     obs = [_obs(i, g[i], loss[i], lay[i]) for i in range(6000)]
-    det = Detector()
-    state = det.init(names)
+    sd = StreamingDetector(layer_names=names)
     for o in obs[:1000]:
-        _, state = det.update(state, o)
+        sd.observe(o)
+        sd.score
     tracemalloc.start()
     for o in obs[1000:2000]:
-        _, state = det.update(state, o)
+        sd.observe(o)
+        sd.score
     mid, _ = tracemalloc.get_traced_memory()
     for o in obs[2000:6000]:
+        sd.observe(o)
+        sd.score
+    end, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert end - mid < 4_000  # bytes over 4,000 steps: less than one per step
+
+
+def test_update_allocates_nothing_that_grows():
+    lay, g, loss = _calm_run(3000, seed=11, layers=50)
+    names = [f"l{i}" for i in range(50)]
+    obs = [_obs(i, g[i], loss[i], lay[i]) for i in range(3000)]
+    det = Detector()
+    state = det.init(names)
+    for o in obs[:500]:
+        _, state = det.update(state, o)
+    tracemalloc.start()
+    for o in obs[500:1000]:
+        _, state = det.update(state, o)
+    mid, _ = tracemalloc.get_traced_memory()
+    for o in obs[1000:3000]:
         _, state = det.update(state, o)
     end, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -3,21 +3,27 @@
 Every signal is a *channel*: ``grad_norm``, ``loss``, ``update_norm``, ``param_norm`` and one
 ``grad_norm/<layer>`` per layer. Each channel keeps, in log space (magnitudes differ by 1e6
 between runs; ratios do not), a robust trailing baseline (EMA of admitted log-values,
-winsorised), a robust scale (EMA of winsorised absolute deviations, floored), a one-sided CUSUM
-of its z-scores, and a few counters. All channels are updated together by a handful of numpy
-calls; a calm step of a mature run takes a mask-free path. A step costs O(channels) and
-allocates nothing that grows.
+winsorised) and a robust scale (EMA of absolute deviations, floored). The run-level channels
+also keep a one-sided CUSUM of their z-scores, and the gradient and the loss together feed one
+more CUSUM, the *together* evidence.
+
+Cost: a step is O(channels) with no allocation. All channels live in preallocated vectors and a
+calm step of a mature run is ~10 numpy calls on them (log, deviation, one outlier test, the
+EMA updates as two stacked multiply-adds) plus scalar Python for the four run-level channels.
+Anything unusual (warm-up, a spike, a skipped or non-finite step, a changed set of signals, a
+rule about to fire) takes the general path, which applies the same arithmetic with masks.
 
 What is alarming is *escalation*, not one spike:
 
 - ``info`` GRAD_SPIKE: a gradient signal was elevated and came back without escalating
   (reported on the step it recovered; ``values["peak_step"]`` says when it peaked).
 - ``warning`` COLLAPSE_RISK: (a) consecutive elevated steps that keep growing (BLOOM-176B's
-  0.24 -> 0.95 -> 2.4 -> 16); (b) the gradient norm and the loss rising together over several
-  steps (their CUSUMs past ``drift_h`` and ``loss_drift_h``); (c) one signal rising for long
+  0.24 -> 0.95 -> 2.4 -> 16); (b) the gradient and the loss rising together over several steps
+  (the together evidence reaches ``drift_h``); (c) one run-level signal rising for long
   (``drift_alone_h``); optionally (d) several layers at once or (e) one enormous jump.
-  Per-layer signals never warn on their own (small layers are spiky); they name the layer that
-  moved first.
+  Per-layer signals never warn on their own (small layers are spiky); they name the layers that
+  moved. A warning consumes its evidence; another may follow ``rearm_steps`` later if the rise
+  goes on.
 - ``critical``: NONFINITE_GRAD (before the optimizer step), LOSS_NONFINITE, LOSS_DIVERGED, or a
   loss scaler that keeps overflowing.
 
@@ -40,33 +46,46 @@ GRAD, LOSS, UPDATE, PARAM = 0, 1, 2, 3
 N_FIXED = 4
 FIXED_NAMES = ("grad_norm", "loss", "update_norm", "param_norm")
 # rows of DetectorState.stats
-MU, SCALE, COUNT, STREAK, GROW, PREV = range(6)  # the state proper
-CUSUM = 6  # one-sided CUSUM of z (sustained rise)
-RATE_M, SRATE_M = 7, 8  # steady EMA rates of the channels the calm path updates, 0 elsewhere
-N_ROWS = 9
+MU, SCALE, COUNT, STREAK, GROW, PREV, CUSUM, WIDTH = range(8)
+N_ROWS = 8
 SCORE_CAP = 1000.0  # score of a non-finite step (metrics backends dislike inf)
 _NAN = float("nan")
-STATE_VERSION = 1
+_TINY = 1e-300
+_BIG = 1 << 30
+STATE_VERSION = 2
+_F64 = np.float64
+_F64DT = np.dtype(np.float64)
+try:  # the C function itself: np.count_nonzero adds a Python wrapper and a dispatcher per call
+    from numpy._core._multiarray_umath import count_nonzero as _cnz
+except ImportError:  # pragma: no cover - older numpy layouts
+    _cnz = np.count_nonzero
+_log = math.log
+_np_log, _subtract, _absolute, _less, _divide = np.log, np.subtract, np.absolute, np.less, np.divide
+_copysign, _greater, _not_equal = np.copysign, np.greater, np.not_equal
+_fmax, _fmin, _multiply, _add = np.fmax, np.fmin, np.multiply, np.add
+_LEVELS = tuple(Level(i) for i in range(max(Level) + 1))
+_PAT_KEYS = ((1, GRAD), (2, LOSS), (4, UPDATE), (8, PARAM))
 
 
 class DetectorState(NamedTuple):
-    """Everything the detector remembers. Immutable from the outside: ``update`` returns a new one.
+    """Everything the detector remembers (a snapshot: ``update`` returns a new one).
 
-    ``stats`` is a ``(9, channels)`` float array with rows ``MU`` (baseline, log), ``SCALE``
+    ``stats`` is an ``(8, channels)`` float array with rows ``MU`` (baseline, log), ``SCALE``
     (robust scale, log units, floored), ``COUNT`` (values admitted; counting stops at maturity),
     ``STREAK`` (consecutive elevated steps), ``GROW`` (consecutive elevated steps, each above the
-    last by the growth factor), ``PREV`` (last log-deviation), ``CUSUM`` (one-sided cumulative
-    sum of ``z - drift_k``: evidence of a sustained rise), and ``RATE_M`` / ``SRATE_M`` (the
-    EMA rates the calm path applies: the steady rates for mature channels of the current
-    presence pattern, 0 elsewhere). ``dev`` is the latest log-deviation per channel.
+    last by the growth factor), ``PREV`` (last elevated log-deviation), ``CUSUM`` (one-sided
+    cumulative sum of ``z - drift_k``, run-level channels only; 0 for layers) and ``WIDTH``
+    (``admit_z * scale``, the form the detector keeps the scale in; ``SCALE`` is derived from it). ``dev`` is the
+    latest log-deviation per channel (NaN or 0 where the channel was absent). ``joint`` is the
+    together evidence of the gradient and the loss.
     """
 
     step: int
     channels: tuple[str, ...]
     stats: np.ndarray
     dev: np.ndarray | None = None
+    joint: float = 0.0
     pattern: int = -1  # which of grad/loss/update/param/layers were given (bits 0-4)
-    n_absent: int = 0  # channels absent under that pattern
     fast: bool = False  # the next step may take the calm path
     episode: bool = False  # some gradient signal is (or just was) elevated
     ep_start: int = -1
@@ -75,8 +94,7 @@ class DetectorState(NamedTuple):
     ep_peak_dev: float = 0.0
     ep_first_layer: int = -1
     ep_warned: bool = False
-    calm: int = 1 << 30  # consecutive steps with nothing elevated
-    warn_armed: bool = True
+    since_warn: int = _BIG  # steps since the last warning
     loss_div: int = 0  # consecutive steps at or above loss_diverge_ratio
     loss_div_fired: bool = False
     nonfinite: int = 0  # consecutive non-finite-gradient steps
@@ -86,6 +104,7 @@ class DetectorState(NamedTuple):
     score_cap: bool = False  # latest step was non-finite
     level: int = 0
     hot: bool = False  # some STREAK/GROW/PREV entry is non-zero
+    absent: tuple[int, ...] = ()  # layers (by position) reporting 0 under the pattern
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -94,12 +113,7 @@ class DetectorState(NamedTuple):
     @property
     def score(self) -> float:
         """Largest robust z above baseline at the latest step (see StreamingDetector.score)."""
-        if self.score_cap:
-            return SCORE_CAP
-        if self.dev is None or self.dev.size == 0:
-            return 0.0
-        m = float(np.fmax.reduce(self.dev / self.stats[SCALE]))  # NaN (absent) ignored
-        return m if m > 0.0 else 0.0
+        return _score(self.score_cap, self.dev, self.stats[SCALE])
 
     def to_dict(self) -> dict[str, Any]:
         d = self._asdict()
@@ -112,7 +126,8 @@ class DetectorState(NamedTuple):
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DetectorState":
         if int(d.get("version", STATE_VERSION)) != STATE_VERSION:
-            raise ValueError(f"detector state version {d.get('version')} is not {STATE_VERSION}")
+            raise ValueError(f"detector state version {d.get('version')} is not {STATE_VERSION} "
+                             "(saved by an older earlywarn; start the detector afresh)")
         kw = {k: d[k] for k in cls._fields if k in d}
         kw["channels"] = tuple(str(c) for c in d["channels"])
         stats = np.array(d["stats"], dtype=np.float64)
@@ -120,20 +135,76 @@ class DetectorState(NamedTuple):
             raise ValueError(f"detector state: stats shape {stats.shape} does not match "
                              f"{len(kw['channels'])} channels")
         kw["stats"] = stats
+        if "absent" in kw:
+            kw["absent"] = tuple(int(i) for i in kw["absent"])
         if kw.get("dev") is not None:
             kw["dev"] = np.array(kw["dev"], dtype=np.float64)
-        for k in ("step", "pattern", "n_absent", "ep_start", "ep_peak_step", "ep_peak_chan",
-                  "ep_first_layer", "calm", "loss_div", "nonfinite", "overflow", "level"):
+        for k in ("step", "pattern", "ep_start", "ep_peak_step", "ep_peak_chan", "ep_first_layer",
+                  "since_warn", "loss_div", "nonfinite", "overflow", "level"):
             if k in kw:
                 kw[k] = int(kw[k])
-        for k in ("ep_peak_dev", "loss_scale"):
+        for k in ("joint", "ep_peak_dev", "loss_scale"):
             if k in kw:
                 kw[k] = float(kw[k])
-        for k in ("fast", "episode", "ep_warned", "warn_armed", "loss_div_fired", "hot", "score_cap",
-                  "scale_pending"):
+        for k in ("fast", "episode", "ep_warned", "loss_div_fired", "hot", "score_cap", "scale_pending"):
             if k in kw:
                 kw[k] = bool(kw[k])
         return cls(**kw)
+
+
+def _score(cap: bool, dev: np.ndarray | None, scale: np.ndarray) -> float:
+    if cap:
+        return SCORE_CAP
+    if dev is None or dev.size == 0:
+        return 0.0
+    m = float(np.fmax.reduce(dev / scale))  # NaN (absent) ignored
+    return m if m > 0.0 else 0.0
+
+
+class _Work:
+    """The mutable working state: preallocated vectors the step updates in place.
+
+    ``S2`` stacks the baseline and the admission width ``wd = admit_z * scale`` (its rows ``mu``,
+    ``wd``) so that both EMAs are one multiply-add: ``S2 = S2 * M2 + D2 * R2`` with
+    ``D2 = [dev; max(|dev|, min_scale)]``, ``R2 = [alpha; admit_z * scale_alpha]`` and
+    ``M2 = [1; 1 - scale_alpha]`` for the channels the calm path updates (0 / 1 elsewhere).
+    Keeping ``wd`` rather than the scale makes the outlier test ``|dev| < wd`` one call, with no
+    per-step rescaling."""
+
+    __slots__ = ("channels", "n", "nl", "S2", "mu", "wd", "cnt", "streak", "grow", "prev", "cus",
+                 "joint", "y", "yl", "W", "D2", "dev", "adev", "P2", "P0", "P1", "R2", "M2", "bb", "fixed",
+                 "k", "lmask", "lcmp", "n_lay", "ztmp", "dev_nan", "has_dev", "step", "pattern",
+                 "fast", "episode", "ep_start", "ep_peak_step", "ep_peak_chan", "ep_peak_dev", "ep_first_layer", "ep_warned", "since_warn",
+                 "loss_div", "loss_div_fired", "nonfinite", "overflow", "loss_scale", "scale_pending",
+                 "score_cap", "level", "hot")
+
+    def __init__(self, channels: tuple[str, ...]):
+        n = len(channels)
+        self.channels, self.n, self.nl = channels, n, n - N_FIXED
+        # [mu; wd; dev; |dev|] in one block, so that the run-level widths and deviations are one
+        # (2, 4) view, read with one tolist()
+        self.W = np.zeros((4, n))
+        self.S2, self.D2 = self.W[0:2], self.W[2:4]
+        self.mu, self.wd = self.S2[0], self.S2[1]
+        self.dev, self.adev = self.D2[0], self.D2[1]
+        self.fixed = self.W[1:3, :N_FIXED]
+        self.cnt = np.zeros(n)
+        self.streak, self.grow, self.prev = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.cus = [0.0] * N_FIXED
+        self.joint = 0.0
+        self.y = np.zeros(n)
+        self.yl = self.y[N_FIXED:]
+        self.P2 = np.zeros((2, n))
+        self.P0, self.P1 = self.P2[0], self.P2[1]
+        self.R2 = np.zeros((2, n))
+        self.M2 = np.ones((2, n))
+        self.bb = np.zeros(n, dtype=bool)
+        self.lmask = np.ones(n - N_FIXED, dtype=bool)  # layers present under the pattern
+        self.lcmp = np.zeros(n - N_FIXED, dtype=bool)
+        self.n_lay = n - N_FIXED
+        self.ztmp = np.zeros(n)
+        self.dev_nan = False  # dev holds NaN (absent / not warm channels, set by _general)
+        self.has_dev = False
 
 
 class _Consts(NamedTuple):
@@ -144,14 +215,8 @@ class _Consts(NamedTuple):
     lwarn: np.ndarray  # log ratio an escalation must reach to warn
     gradlike: np.ndarray  # bool: gradient-type channels (all but the loss)
     fixed: np.ndarray  # bool: the run-level channels (grad, loss, update, param), not layers
-    tiny: np.ndarray
     min_scale: np.ndarray  # per channel (the loss has its own floor)
-    spike_z: np.ndarray
-    drift_exit: np.ndarray  # CUSUM level at which a channel leaves the calm path (inf: never)
-    drift_k: np.ndarray
-    admit: np.ndarray
-    neg_admit: np.ndarray
-    zero: np.ndarray
+    spike_w: np.ndarray  # spike_z / admit_z: the spike threshold in units of the width
 
 
 def _fmt(x: float) -> str:
@@ -164,7 +229,8 @@ class Detector:
     """Pure detector: ``state = init(layer_names)``, ``alerts, state = update(state, obs)``.
 
     ``update`` never mutates its input state, so a state can be kept, compared, checkpointed and
-    replayed; the same object serves the live hook and the offline analyser. Deterministic: the
+    replayed; the same object serves the live hook and the offline analyser (through
+    :class:`StreamingDetector`, which updates one working state in place). Deterministic: the
     same observations give the same alerts.
     """
 
@@ -179,6 +245,13 @@ class Detector:
         self._mature_n = float(max(c.warmup_steps, math.ceil(1.0 / c.alpha), math.ceil(1.0 / c.scale_alpha)))
         self._scale0 = max(c.prior_scale, c.min_scale, c.loss_min_scale)
         self._consts: dict[int, _Consts] = {}
+        self._kd, self._tk, self._spike_z = float(c.drift_k), float(c.together_k), float(c.spike_z)
+        self._drift_h, self._alone_h = float(c.drift_h), float(c.drift_alone_h)
+        # each step's evidence is winsorised at admit_z, as values entering a baseline are
+        self._tcap = self._A = float(c.admit_z)
+        self._calm_consts = (self._kd, self._spike_z, self._A, self._tcap, self._tk, self._drift_h,
+                             self._alone_h, self._log_div)
+        self._force_full = False  # tests: run every step through the general path
 
     def _k(self, n: int) -> _Consts:
         k = self._consts.get(n)
@@ -196,16 +269,8 @@ class Detector:
             fixed[:N_FIXED] = True
             min_scale = np.full(n, float(c.min_scale))
             min_scale[LOSS] = c.loss_min_scale
-            drift_exit = np.full(n, np.inf)
-            drift_exit[[GRAD, UPDATE]] = c.drift_h
-            drift_exit[LOSS] = c.loss_drift_h
-            drift_exit[PARAM] = c.drift_alone_h
-            if c.layer_drift:
-                drift_exit[N_FIXED:] = c.drift_h
-            k = self._consts[n] = _Consts(
-                lmin, lgrowth, lwarn, gradlike, fixed, np.full(n, 1e-300), min_scale,
-                np.full(n, float(c.spike_z)), drift_exit, np.full(n, float(c.drift_k)),
-                np.full(n, float(c.admit_z)), np.full(n, -float(c.admit_z)), np.zeros(n))
+            k = self._consts[n] = _Consts(lmin, lgrowth, lwarn, gradlike, fixed, min_scale,
+                                          np.full(n, float(c.spike_z) / float(c.admit_z)))
         return k
 
     # ------------------------------------------------------------------------------------------
@@ -223,6 +288,7 @@ class Detector:
         channels = FIXED_NAMES + tuple(f"grad_norm/{n}" for n in layer_names)
         stats = np.zeros((N_ROWS, len(channels)))
         stats[SCALE] = self._scale0
+        stats[WIDTH] = self._scale0 * self._A
         for key, value in (baseline or {}).items():
             if key not in channels:
                 raise ValueError(f"baseline key {key!r} is not a signal of this detector; use one "
@@ -235,157 +301,339 @@ class Detector:
             stats[COUNT, i] = float(self.cfg.warmup_steps)
         return DetectorState(step=-1, channels=channels, stats=stats)
 
-    # ------------------------------------------------------------------------------------------
     def update(self, state: DetectorState, obs: Observation) -> tuple[list[Event], DetectorState]:
-        """Feed one step; returns the alerts it raised and the next state."""
-        n = len(state.channels)
-        nl = n - N_FIXED
-        # -- gather the step's values into one vector (NaN = absent) -------------------------
-        x = np.empty(n)
-        g = obs.grad_norm
-        loss = obs.loss
-        extras = obs.extras
-        pattern = 0
-        if g is None:
-            x[GRAD] = _NAN
-        else:
-            x[GRAD] = g
-            pattern = 1
-        if loss is None:
-            x[LOSS] = _NAN
-        else:
-            x[LOSS] = loss
-            pattern |= 2
-        loss_scale = None
-        if extras:
-            u, p = extras.get("update_norm"), extras.get("param_norm")
-            if u is None:
-                x[UPDATE] = _NAN
-            else:
-                x[UPDATE] = u
-                pattern |= 4
-            if p is None:
-                x[PARAM] = _NAN
-            else:
-                x[PARAM] = p
-                pattern |= 8
-            loss_scale = extras.get("loss_scale")
-        else:
-            x[UPDATE] = x[PARAM] = _NAN
-        ln = obs.layer_norms
-        if nl:
-            if ln is None:
-                x[N_FIXED:] = _NAN
-            else:
-                if len(ln) != nl:
-                    raise ValueError(f"step {obs.step}: {len(ln)} layer norms for a detector initialised "
-                                     f"with {nl} layer names; pass the same layers in the same order")
-                x[N_FIXED:] = ln
-                pattern |= 16
-        lnf = obs.layer_nonfinite
+        """Feed one step; returns the alerts it raised and the next state (``state`` is left as
+        it was)."""
+        w = self._load(state)
+        alerts = self._step(w, obs)
+        return alerts, self._snapshot(w)
 
-        # -- the calm path: a mature run, same signals as last step, nothing near a spike -----
-        if (state.fast and pattern == state.pattern and not obs.skipped and not state.scale_pending
-                and (loss_scale is None or not loss_scale < state.loss_scale)
-                and (lnf is None or not np.count_nonzero(lnf))):
-            k = self._consts.get(n) or self._k(n)
-            stats = state.stats.copy()
-            mu, sc = stats[MU], stats[SCALE]
-            # a zero norm gives log(tiny) = -690: |z| huge sends the step to the general path,
-            # which treats it as absent
-            dev = np.log(np.maximum(x, k.tiny)) - mu
-            z = dev / sc
-            az = np.abs(z)
-            # nothing within reach of a spike either way; absent channels are NaN and fail `<`
-            if np.count_nonzero(az < k.spike_z) == n - state.n_absent:
-                cus = stats[CUSUM]
-                cus += z
-                cus -= k.drift_k
-                np.fmax(cus, k.zero, out=cus)  # absent (NaN) -> 0
-                if not np.count_nonzero(cus >= k.drift_exit) and not dev[LOSS] >= self._log_div:
-                    # winsorise in z (fmin/fmax turn NaN, the absent channels, into a finite
-                    # bound that then meets a rate of 0)
-                    mu += stats[RATE_M] * (np.fmin(np.fmax(z, k.neg_admit), k.admit) * sc)
-                    # the floor applies to what enters: a rounding logger's zeros count as the floor
-                    sc += stats[SRATE_M] * (np.fmax(np.fmin(az, k.admit) * sc, k.min_scale) - sc)
-                    calm = state.calm + 1 if state.calm < (1 << 30) else state.calm
-                    new_scale = state.loss_scale if loss_scale is None else float(loss_scale)
-                    return [], tuple.__new__(DetectorState, (
-                        int(obs.step), state.channels, stats, dev, pattern, state.n_absent, True,
-                        False, -1, -1, -1, 0.0, -1, False, calm,
-                        state.warn_armed or calm >= self.cfg.rearm_steps,
-                        0, False, 0, 0, new_scale, False, False, 0, False))
-        return self._update_full(state, obs, x, pattern, loss_scale, ln, lnf)
+    # -- working state <-> snapshot -------------------------------------------------------------
+    def _load(self, s: DetectorState) -> _Work:
+        w = _Work(s.channels)
+        st = s.stats
+        w.mu[:] = st[MU]
+        w.wd[:] = st[WIDTH]
+        w.cnt[:] = st[COUNT]
+        w.streak[:], w.grow[:], w.prev[:] = st[STREAK], st[GROW], st[PREV]
+        w.cus = [float(v) for v in st[CUSUM, :N_FIXED]]
+        w.joint = float(s.joint)
+        if s.dev is not None:
+            w.dev[:] = s.dev
+            w.has_dev = True
+            w.dev_nan = bool(np.isnan(s.dev).any())
+        w.lmask[:] = True
+        w.lmask[list(s.absent)] = False
+        w.n_lay = int(_cnz(w.lmask))
+        for name in ("step", "pattern", "fast", "episode", "ep_start", "ep_peak_step", "ep_peak_chan",
+                     "ep_peak_dev", "ep_first_layer", "ep_warned", "since_warn", "loss_div",
+                     "loss_div_fired", "nonfinite", "overflow", "loss_scale", "scale_pending",
+                     "score_cap", "level", "hot"):
+            setattr(w, name, getattr(s, name))
+        self._refresh(w)
+        return w
 
-    def _update_full(self, state: DetectorState, obs: Observation, x: np.ndarray, pattern: int,
-                     loss_scale, ln, lnf) -> tuple[list[Event], DetectorState]:
-        """Warm-up, spikes, escalations, skipped and non-finite steps: the general, masked path."""
+    def _snapshot(self, w: _Work) -> DetectorState:
+        stats = np.zeros((N_ROWS, w.n))
+        stats[MU], stats[SCALE], stats[COUNT] = w.mu, w.wd / self._A, w.cnt
+        stats[WIDTH] = w.wd
+        stats[STREAK], stats[GROW], stats[PREV] = w.streak, w.grow, w.prev
+        stats[CUSUM, :N_FIXED] = w.cus
+        return DetectorState(
+            step=w.step, channels=w.channels, stats=stats, dev=w.dev.copy() if w.has_dev else None,
+            joint=w.joint, pattern=w.pattern, fast=w.fast, episode=w.episode, ep_start=w.ep_start,
+            ep_peak_step=w.ep_peak_step, ep_peak_chan=w.ep_peak_chan, ep_peak_dev=w.ep_peak_dev,
+            ep_first_layer=w.ep_first_layer, ep_warned=w.ep_warned, since_warn=w.since_warn,
+            loss_div=w.loss_div, loss_div_fired=w.loss_div_fired, nonfinite=w.nonfinite,
+            overflow=w.overflow, loss_scale=w.loss_scale, scale_pending=w.scale_pending,
+            score_cap=w.score_cap, level=w.level, hot=w.hot,
+            absent=tuple(int(i) for i in np.flatnonzero(~w.lmask)))
+
+    def _refresh(self, w: _Work) -> None:
+        """What the calm path assumes, derived from the state: its EMA rates (steady rates for
+        the mature channels given under the current pattern, 0 elsewhere), and absent channels'
+        log-values parked on their baseline (so their deviation is exactly 0)."""
         cfg = self.cfg
-        n = len(state.channels)
-        nl = n - N_FIXED
+        n, pattern = w.n, w.pattern
+        expected = np.zeros(n, dtype=bool)
+        if pattern >= 0:
+            for bit, c in _PAT_KEYS:
+                expected[c] = bool(pattern & bit)
+            if pattern & 16:
+                expected[N_FIXED:] = w.lmask
+        steady = expected & (w.cnt >= self._mature_n)
+        b = np.where(steady, cfg.scale_alpha, 0.0)
+        w.R2[0] = np.where(steady, cfg.alpha, 0.0)
+        np.multiply(b, self._A, out=w.R2[1])  # as _general computes it
+        w.M2[0] = 1.0
+        np.subtract(1.0, b, out=w.M2[1])
+        w.k = self._k(n)
+        np.copyto(w.y, w.mu, where=~expected)
+
+    # -- one step -------------------------------------------------------------------------------
+    def _step(self, w: _Work, obs: Observation) -> list[Event]:
+        """One step. A calm step of a mature run (the same signals as last step, every value
+        finite, no channel elevated, no rule about to fire) is handled here with a fixed sequence
+        of in-place numpy calls; anything else goes to :meth:`_general`, which starts from the
+        untouched state and computes the same numbers for the calm channels."""
+        g, loss, ex, ln = obs.grad_norm, obs.loss, obs.extras, obs.layer_norms
+        pattern = 0 if g is None else 1
+        if loss is not None:
+            pattern |= 2
+        u = p = loss_scale = None
+        if ex:
+            u, p, loss_scale = ex.get("update_norm"), ex.get("param_norm"), ex.get("loss_scale")
+            if u is not None:
+                pattern |= 4
+            if p is not None:
+                pattern |= 8
+        nl = w.nl
+        if ln is not None and nl:
+            if len(ln) != nl:
+                raise ValueError(f"step {obs.step}: {len(ln)} layer norms for a detector initialised "
+                                 f"with {nl} layer names; pass the same layers in the same order")
+            pattern |= 16
+        lnf = obs.layer_nonfinite
+        if not (w.fast and pattern == w.pattern and not obs.skipped
+                and (loss_scale is None or not loss_scale < w.loss_scale)
+                and (lnf is None or not _cnz(lnf))):
+            return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+
+        # -- the calm path -------------------------------------------------------------------
+        # run-level values must be finite and > 0 (NaN fails `>`; inf fails the outlier test)
+        y = w.y
+        if g is not None:
+            if not g > 0.0:
+                return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+            y[0] = _log(g)
+        if loss is not None:
+            if not loss > 0.0:
+                return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+            y[1] = _log(loss)
+        if pattern & 12:
+            if u is not None:
+                if not u > 0.0:
+                    return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+                y[2] = _log(u)
+            if p is not None:
+                if not p > 0.0:
+                    return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+                y[3] = _log(p)
+        if pattern & 16:
+            nz = _cnz(ln)
+            if nz == nl and w.n_lay == nl:
+                if type(ln) is np.ndarray and ln.dtype is _F64DT:
+                    _np_log(ln, w.yl)
+                else:  # computed in float64, as the general path does
+                    _np_log(ln, out=w.yl, dtype=_F64)
+            else:
+                # layers reporting 0 are absent (a frozen layer): calm only if they are the same
+                # ones as last step (their values stay parked on the baseline)
+                lm = w.lcmp
+                _greater(ln, 0.0, lm)  # NaN and negative values fail: the general path
+                if nz != w.n_lay or _cnz(lm) != nz:
+                    return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+                _not_equal(lm, w.lmask, lm)
+                if _cnz(lm):
+                    return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+                _np_log(ln, out=w.yl, where=w.lmask, dtype=_F64)
+        dev, adev, bb, n, k = w.dev, w.adev, w.bb, w.n, w.k
+        _subtract(y, w.mu, dev)
+        _absolute(dev, adev)
+        _less(adev, w.wd, bb)  # within admit_z scales either way; NaN / inf fail
+        clip = _cnz(bb) != n
+        if clip:
+            # some channel beyond admit_z: still calm if it is finite and not elevated, i.e. below
+            # max(spike_z * scale, log of the minimum ratio); it enters winsorised
+            thr = w.P0
+            _multiply(w.wd, k.spike_w, thr)
+            _fmax(thr, k.lmin, thr)
+            _less(dev, thr, bb)  # NaN / inf fail
+            if _cnz(bb) != n:
+                return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+        # run-level channels: CUSUMs and the together evidence, in scalars (as _general does)
+        s4, d4 = w.fixed.tolist()
+        kd, S, A, tcap, tk, dh, h, ldiv = self._calm_consts
+        if pattern & 2 and d4[1] >= ldiv:
+            return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+        c0, c1, c2, c3 = w.cus
+        zl = zgl = None
+        if g is not None:
+            zgl = d4[0] * A / s4[0]
+            c0 = c0 + (zgl if zgl < S else S) - kd
+            if c0 < 0.0:
+                c0 = 0.0
+        if loss is not None:
+            zl = d4[1] * A / s4[1]
+            c1 = c1 + (zl if zl < S else S) - kd
+            if c1 < 0.0:
+                c1 = 0.0
+        if pattern & 12:
+            if u is not None:
+                zu = d4[2] * A / s4[2]
+                c2 = c2 + (zu if zu < S else S) - kd
+                if c2 < 0.0:
+                    c2 = 0.0
+                if zgl is None or zu > zgl:
+                    zgl = zu
+            if p is not None:
+                zp = d4[3] * A / s4[3]
+                c3 = c3 + (zp if zp < S else S) - kd
+                if c3 < 0.0:
+                    c3 = 0.0
+        joint = w.joint
+        if zl is not None and zgl is not None:
+            m = zgl if zgl < zl else zl
+            joint = joint + (m if m < tcap else tcap) - tk
+            if joint < 0.0:
+                joint = 0.0
+        if joint >= dh or c0 >= h or c1 >= h or c2 >= h or c3 >= h or self._force_full:
+            # a warning may be due: the general path decides and words it
+            return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+        # commit: both EMAs as one stacked multiply-add (see _Work)
+        P2 = w.P2
+        if clip:
+            # clip(dev, +-wd) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
+            P1 = w.P1
+            _fmin(adev, w.wd, P1)
+            _copysign(P1, dev, w.P0)
+            _fmax(P1, k.min_scale, P1)
+            _multiply(P2, w.R2, P2)
+        else:
+            _fmax(adev, k.min_scale, adev)
+            _multiply(w.D2, w.R2, P2)
+        S2 = w.S2
+        _multiply(S2, w.M2, S2)
+        _add(S2, P2, S2)
+        w.cus = [c0, c1, c2, c3]
+        w.joint = joint
+        w.step = obs.step
+        w.has_dev = True
+        w.dev_nan = False
+        if w.since_warn < _BIG:
+            w.since_warn += 1
+        w.level = 0
+        w.score_cap = False
+        if loss_scale is not None:
+            w.loss_scale = float(loss_scale)
+        return []
+
+    def _general(self, w: _Work, obs: Observation, pattern: int, g, loss, u, p, ln, lnf,
+                 loss_scale) -> list[Event]:
+        """Warm-up, spikes, escalations, skipped and non-finite steps: the general, masked path.
+        On a calm step it computes exactly what the calm path computes."""
+        cfg = self.cfg
+        n, nl = w.n, w.nl
         k = self._k(n)
         step = int(obs.step)
-        g, loss = obs.grad_norm, obs.loss
+        mu, wd, cnt = w.mu, w.wd, w.cnt
+
+        # -- the step's values in log space (NaN = absent; a zero norm is absent too) ---------
+        x = [_NAN] * N_FIXED
+        y = np.full(n, _NAN)
+        for c, v in enumerate((g, loss, u, p)):
+            if v is not None:
+                x[c] = v = float(v)
+                if v > 0.0:
+                    y[c] = _log(v)  # as the calm path takes it (math.log, not np.log)
+        lnv = None
+        if pattern & 16:
+            lnv = np.asarray(ln, dtype=np.float64)
+            yl = y[N_FIXED:]
+            np.log(np.maximum(lnv, _TINY), out=yl)  # inf stays inf: a non-finite gradient
+            if _cnz(lnv) != nl:
+                yl[lnv == 0.0] = _NAN  # a zero norm ("not computed", a frozen layer) is absent
+            yl[lnv < 0.0] = _NAN
 
         # -- what is wrong with this step ----------------------------------------------------
         grad_bad = g is not None and not math.isfinite(g)
-        if nl and ln is not None and not bool(np.isfinite(x[N_FIXED:]).all()):
+        if lnv is not None and _cnz(np.isfinite(lnv)) != nl:
             grad_bad = True
-        if lnf is not None and np.count_nonzero(lnf):
+        if lnf is not None and _cnz(lnf):
             grad_bad = True
         loss_bad = loss is not None and not math.isfinite(loss)
         overflow = False
-        new_scale = state.loss_scale
+        new_scale = w.loss_scale
         scale_pending = False
         if loss_scale is not None and math.isfinite(loss_scale):
             if grad_bad:
                 # non-finite gradients under a scaler: an overflow the scaler skips; its scale
                 # may drop now or on the next reading (which is then not a second overflow)
                 overflow = True
-                scale_pending = not loss_scale < state.loss_scale
-            elif loss_scale < state.loss_scale and not state.scale_pending:
+                scale_pending = not loss_scale < w.loss_scale
+            elif loss_scale < w.loss_scale and not w.scale_pending:
                 overflow = True  # a log that only shows the scale drop (values may be stale)
             new_scale = float(loss_scale)
-        skipped = obs.skipped or overflow or grad_bad
+        skipped = bool(obs.skipped) or overflow or grad_bad
 
         # -- robust deviations --------------------------------------------------------------
-        stats = state.stats.copy()
-        mu, sc, cnt = stats[MU], stats[SCALE], stats[COUNT]
-        y = np.log(np.maximum(x, k.tiny))
-        y[y < -300.0] = _NAN  # a zero norm ("not computed", a frozen layer) is absent
         present = np.isfinite(y)
         dev = y - mu
-        z = dev / sc
+        z = (dev * self._A) / wd  # as the calm path computes it
         warm = cnt >= cfg.warmup_steps  # as of before this step
         pw = present & warm
-        elev = pw & (z >= cfg.spike_z) & (dev >= k.lmin)
+        # elevated: z >= spike_z and a ratio of at least the minimum, i.e. dev >= this threshold
+        elev = pw & (dev >= np.fmax(wd * k.spike_w, k.lmin))
         if skipped:
             elev[:] = False  # a skipped step's values are stale or non-finite: not a spike
         any_elev = bool(np.count_nonzero(elev))
+        zf = [float(v) for v in z[:N_FIXED]]
+        pwf = [bool(v) for v in pw[:N_FIXED]]
 
-        # -- baseline update: admitted values only, winsorised ------------------------------
+        # -- baseline update: admitted values only, winsorised (same arithmetic as _calm) ----
         if not skipped:
             adm = present & ~elev  # spikes never enter; the rest enters winsorised
-            first = adm & (cnt == 0)  # a channel's first value is its baseline
-            lim = cfg.admit_z * sc
-            d = np.where(first, dev, np.fmin(np.fmax(dev, -lim), lim))
-            r = 1.0 / (cnt + 1.0)
-            mu += np.where(adm, np.maximum(cfg.alpha, r) * d, 0.0)
-            # the floor applies to what enters: a rounding logger's zeros count as the floor
-            v = np.fmin(np.fmax(np.abs(dev), k.min_scale), lim)
-            sc += np.where(adm & ~first, np.maximum(cfg.scale_alpha, r) * (v - sc), 0.0)
-            cnt += adm & (cnt < self._mature_n)
+            P2 = np.empty((2, n))
+            R2 = np.empty((2, n))
+            np.fmin(np.fmax(dev, -wd), wd, out=P2[0])
+            np.fmax(np.fmin(np.abs(dev), wd), k.min_scale, out=P2[1])
+            P2[:, ~adm] = 0.0  # absent values are NaN: zero them before the rates do
+            np.multiply(adm, cfg.alpha, out=R2[0])
+            np.multiply(adm, cfg.scale_alpha, out=R2[1])
+            young = adm & (cnt < self._mature_n)
+            if _cnz(young):
+                # warm-up: an exact running mean of the first values (rate 1/count), and a
+                # channel's first value is its baseline
+                r = np.where(young, 1.0 / (cnt + 1.0), 0.0)
+                np.maximum(R2[0], r, out=R2[0])
+                np.maximum(R2[1], r, out=R2[1])
+                first = young & (cnt == 0)
+                if _cnz(first):
+                    P2[0, first] = dev[first]
+                    R2[0, first] = 1.0
+                    R2[1, first] = 0.0
+                cnt += young
+            M2 = np.ones((2, n))
+            np.subtract(1.0, R2[1], out=M2[1])
+            np.multiply(R2[1], self._A, out=R2[1])  # the width moves admit_z times the scale
+            P2 *= R2
+            w.S2 *= M2
+            w.S2 += P2
 
-        # -- sustained rise: one-sided CUSUM of z (warm channels; frozen on skipped steps) ------
-        cus = stats[CUSUM]
+        # -- run-level CUSUMs and the together evidence (frozen on skipped steps) -------------
+        cus = list(w.cus)
+        joint = w.joint
         if not skipped:
-            np.copyto(cus, np.where(warm, np.fmax(cus + np.fmin(z, cfg.spike_z) - cfg.drift_k, 0.0), 0.0))
-        drifting = bool(np.count_nonzero(cus >= k.drift_exit))
+            kd, S = cfg.drift_k, float(cfg.spike_z)
+            for c in range(N_FIXED):
+                if pwf[c]:
+                    v = cus[c] + (zf[c] if zf[c] < S else S) - kd
+                    cus[c] = v if v > 0.0 else 0.0
+                elif present[c]:
+                    cus[c] = 0.0  # warming up
+            zgl = None
+            for c in (GRAD, UPDATE):
+                if pwf[c] and (zgl is None or zf[c] > zgl):
+                    zgl = zf[c]
+            if zgl is not None and pwf[LOSS]:
+                joint = joint + min(zgl, zf[LOSS], self._tcap) - cfg.together_k
+                joint = joint if joint > 0.0 else 0.0
 
         # -- streaks --------------------------------------------------------------------------
-        hot = state.hot
+        prev4 = w.prev[:N_FIXED].tolist()  # the escalation message quotes the step before
+        hot = w.hot
         if (any_elev or hot) and not skipped:  # a skipped step leaves the streaks as they were
-            streak, grow, prev = stats[STREAK], stats[GROW], stats[PREV]
+            streak, grow, prev = w.streak, w.grow, w.prev
             grows = elev & (streak > 0) & (dev >= prev + k.lgrowth)
             grow[:] = np.where(elev, np.where(grows, grow + 1.0, 1.0), 0.0)
             streak[:] = np.where(elev, streak + 1.0, 0.0)
@@ -400,64 +648,53 @@ class Detector:
                     prev[stale] = 0.0
 
         alerts: list[Event] = []
-        new: dict[str, Any] = dict(step=step, stats=stats, dev=np.where(pw, dev, _NAN),
-                                   loss_scale=new_scale, scale_pending=scale_pending, hot=hot,
-                                   score_cap=grad_bad or loss_bad)
 
         # -- critical: non-finite gradients, scaler overflows --------------------------------
         if overflow:
-            nover = state.overflow + 1
-            new["overflow"] = nover
-            alerts.append(self._overflow_event(obs, state, loss_scale, nover, ln, lnf))
-            if nover == cfg.overflow_steps:
-                alerts.append(self._nonfinite_event(obs, state, ln, lnf, nover, scaler=True))
-            new["nonfinite"] = 0
+            w.overflow += 1
+            alerts.append(self._overflow_event(obs, w, w.loss_scale, loss_scale, w.overflow, ln, lnf))
+            if w.overflow == cfg.overflow_steps:
+                alerts.append(self._nonfinite_event(obs, w, ln, lnf, w.overflow, scaler=True))
+            w.nonfinite = 0
         else:
-            new["overflow"] = 0
+            w.overflow = 0
             if grad_bad:
-                nbad = state.nonfinite + 1
-                new["nonfinite"] = nbad
-                alerts.append(self._nonfinite_event(obs, state, ln, lnf, nbad, scaler=False))
+                w.nonfinite += 1
+                alerts.append(self._nonfinite_event(obs, w, ln, lnf, w.nonfinite, scaler=False))
             else:
-                new["nonfinite"] = 0
+                w.nonfinite = 0
 
         # -- critical: loss ------------------------------------------------------------------
-        loss_div, loss_div_fired = state.loss_div, state.loss_div_fired
+        base_loss = math.exp(float(mu[LOSS])) if warm[LOSS] else _NAN
         if loss_bad:
-            loss = obs.loss
             alerts.append(Event(
                 step=step, kind=Kind.LOSS_NONFINITE, level=Level.CRITICAL, signal="loss",
                 message=(f"Loss is {loss} at step {step}; the run is diverging or a batch is "
                          "corrupt: rewind to the last clean checkpoint and skip this batch."),
-                values={"value": float(loss),
-                        "baseline": math.exp(state.stats[MU, LOSS]) if warm[LOSS] else _NAN,
-                        "ratio": math.inf},
+                values={"value": float(loss), "baseline": base_loss, "ratio": math.inf},
                 batch=obs.batch))
         elif present[LOSS] and warm[LOSS]:
             dl = float(dev[LOSS])
             if dl >= self._log_div:
-                loss_div += 1
-                if loss_div >= cfg.loss_diverge_steps and not loss_div_fired:
-                    loss_div_fired = True
-                    base = math.exp(state.stats[MU, LOSS])
+                w.loss_div += 1
+                if w.loss_div >= cfg.loss_diverge_steps and not w.loss_div_fired:
+                    w.loss_div_fired = True
+                    base = math.exp(float(y[LOSS]) - dl)
                     alerts.append(Event(
                         step=step, kind=Kind.LOSS_DIVERGED, level=Level.CRITICAL, signal="loss",
                         message=(f"Loss has stayed at {math.exp(dl):.2f}x its baseline ({_fmt(base)} -> "
-                                 f"{_fmt(float(x[LOSS]))}) for {loss_div} steps; the run has diverged: "
+                                 f"{_fmt(float(x[LOSS]))}) for {w.loss_div} steps; the run has diverged: "
                                  "rewind to the last clean checkpoint and lower the learning rate."),
                         values={"value": float(x[LOSS]), "baseline": base, "ratio": math.exp(dl),
-                                "steps": float(loss_div)},
+                                "steps": float(w.loss_div)},
                         batch=obs.batch))
             else:
-                loss_div = 0
-                loss_div_fired = False
-        new["loss_div"], new["loss_div_fired"] = loss_div, loss_div_fired
+                w.loss_div = 0
+                w.loss_div_fired = False
 
         # -- spikes and escalation -----------------------------------------------------------
         grad_elev = any_elev and bool(np.count_nonzero(elev & k.gradlike))
-        calm = 0 if (any_elev or drifting) else min(state.calm + 1, 1 << 30)
-        warn_armed = state.warn_armed or calm >= cfg.rearm_steps
-        episode, ep = state.episode, {}
+        since = w.since_warn + 1 if w.since_warn < _BIG else _BIG
         if grad_elev:
             # the run-level norm names the spike when it moved; a layer only when it alone did
             sel = elev & k.gradlike & k.fixed
@@ -465,48 +702,60 @@ class Detector:
                 sel = elev & k.gradlike
             dev_g = np.where(sel, dev, -np.inf)
             peak = int(np.argmax(dev_g))
-            if not episode:
-                episode = True
-                ep = dict(ep_start=step, ep_peak_step=step, ep_peak_chan=peak,
-                          ep_peak_dev=float(dev_g[peak]), ep_warned=False,
-                          ep_first_layer=self._first_layer(elev, dev, stats[STREAK]))
-            elif dev_g[peak] > state.ep_peak_dev:
-                ep = dict(ep_peak_step=step, ep_peak_chan=peak, ep_peak_dev=float(dev_g[peak]))
-        if (any_elev or drifting) and warn_armed:
-            ev = self._warning(obs, state, stats, elev, dev, x, k)
+            if not w.episode:
+                w.episode = True
+                w.ep_start, w.ep_peak_step, w.ep_peak_chan = step, step, peak
+                w.ep_peak_dev, w.ep_warned = float(dev_g[peak]), False
+                w.ep_first_layer = self._first_layer(elev, dev, w.streak)
+            elif dev_g[peak] > w.ep_peak_dev:
+                w.ep_peak_step, w.ep_peak_chan, w.ep_peak_dev = step, peak, float(dev_g[peak])
+        if since >= cfg.rearm_steps and not skipped:
+            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k)
             if ev is not None:
                 alerts.append(ev)
-                warn_armed = False
-                ep["ep_warned"] = True
-        if episode and not grad_elev and not skipped:
-            warned = ep.get("ep_warned", state.ep_warned)
-            if not warned:
-                alerts.append(self._spike_event(obs, state))
-            episode = False
-            ep.update(ep_start=-1, ep_peak_step=-1, ep_peak_chan=-1, ep_peak_dev=0.0,
-                      ep_first_layer=-1, ep_warned=False)
-        new.update(ep, episode=episode, calm=calm, warn_armed=warn_armed)
+                since = 0
+                w.ep_warned = True
+                # a warning consumes its evidence: another needs the rise to go on
+                cus = [0.0] * N_FIXED
+                joint = 0.0
+        if w.episode and not grad_elev and not skipped:
+            if not w.ep_warned:
+                alerts.append(self._spike_event(obs, w))
+            w.episode = False
+            w.ep_start = w.ep_peak_step = w.ep_peak_chan = w.ep_first_layer = -1
+            w.ep_peak_dev, w.ep_warned = 0.0, False
 
-        # -- what the calm path may assume next step -----------------------------------------
-        expected = np.empty(n, dtype=bool)  # channels given this step (whatever their value)
-        expected[GRAD], expected[LOSS] = bool(pattern & 1), bool(pattern & 2)
-        expected[UPDATE], expected[PARAM] = bool(pattern & 4), bool(pattern & 8)
-        expected[N_FIXED:] = bool(pattern & 16)
-        steady = expected & (cnt >= self._mature_n)
-        stats[RATE_M] = np.where(steady, cfg.alpha, 0.0)
-        stats[SRATE_M] = np.where(steady, cfg.scale_alpha, 0.0)
-        n_expected = int(np.count_nonzero(expected))
-        new["pattern"], new["n_absent"] = pattern, n - n_expected
-        new["fast"] = (int(np.count_nonzero(steady)) == n_expected and not hot and not episode
-                       and not loss_div and not grad_bad and not loss_bad and not overflow
-                       and not drifting)
-
+        # -- commit -----------------------------------------------------------------------------
+        w.cus, w.joint, w.since_warn = cus, joint, since
+        w.hot = hot
+        w.loss_scale, w.scale_pending = new_scale, scale_pending
+        w.score_cap = grad_bad or loss_bad
+        w.step = step
+        np.copyto(w.dev, np.where(pw, dev, _NAN))
+        w.has_dev = True
+        w.dev_nan = not bool(pw.all())
+        w.pattern = pattern
+        if pattern & 16:  # layers reporting 0 are absent: the calm path expects the same ones
+            np.copyto(w.lmask, present[N_FIXED:])
+        else:
+            w.lmask[:] = True
+        w.n_lay = int(_cnz(w.lmask))
+        mature = cnt >= self._mature_n
+        expected_mature = True
+        for bit, c in _PAT_KEYS:
+            if pattern & bit and not mature[c]:
+                expected_mature = False
+        if pattern & 16 and not mature[N_FIXED:][w.lmask].all():
+            expected_mature = False
+        w.fast = (expected_mature and not hot and not w.episode and not w.loss_div and not grad_bad
+                  and not loss_bad and not overflow and not scale_pending)
+        self._refresh(w)
         level = Level.NONE
         for a in alerts:
             if a.level > level:
                 level = a.level
-        new["level"] = int(level)
-        return alerts, state._replace(**new)
+        w.level = int(level)
+        return alerts
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
@@ -518,39 +767,39 @@ class Detector:
         order = np.lexsort((-dev[N_FIXED:][lay], -streak[N_FIXED:][lay]))
         return int(lay[order[0]]) + N_FIXED
 
-    def _ordered_layers(self, state: DetectorState, stats: np.ndarray, elev, dev) -> tuple[str, ...]:
-        """Layers that moved, first mover first: elevated longest, then most accumulated rise
-        (CUSUM), then highest now."""
-        lay_dev = dev[N_FIXED:]
-        streak, cus = stats[STREAK, N_FIXED:], stats[CUSUM, N_FIXED:]
-        moved = np.flatnonzero(elev[N_FIXED:] | (cus > 0))
+    def _ordered_layers(self, w: _Work, elev, z) -> tuple[str, ...]:
+        """Layers that moved, first mover first: elevated longest, then highest now. Without an
+        elevated layer, the layers at least two scales above their baselines."""
+        lay_z = np.nan_to_num(z[N_FIXED:], nan=-np.inf)
+        streak = w.streak[N_FIXED:]
+        moved = np.flatnonzero(elev[N_FIXED:])
+        if moved.size == 0:
+            moved = np.flatnonzero(lay_z >= 2.0)
         if moved.size == 0:
             return ()
-        order = np.lexsort((-np.nan_to_num(lay_dev[moved], nan=-np.inf), -cus[moved], -streak[moved]))
-        names = state.channels
+        order = np.lexsort((-lay_z[moved], -streak[moved]))
+        names = w.channels
         out = [names[int(moved[i]) + N_FIXED][len("grad_norm/"):] for i in order]
         return tuple(out[: self.cfg.max_layers_listed])
 
-    def _warning(self, obs, state, stats, elev, dev, x, k: _Consts) -> Event | None:
+    def _warning(self, obs, w: _Work, elev, dev, z, x, y, cus, joint, prev4,
+                 k: _Consts) -> Event | None:
         """A COLLAPSE_RISK event if a warning rule holds at this step, else None."""
         cfg = self.cfg
-        streak, grow, cus = stats[STREAK], stats[GROW], stats[CUSUM]
+        if not (joint >= cfg.drift_h or max(cus) >= cfg.drift_alone_h or _cnz(elev)):
+            return None
+        streak, grow = w.streak, w.grow
         fx = k.fixed  # per-layer signals never warn on their own
         esc = fx & elev & (grow >= cfg.escalate_steps) & (dev >= k.lwarn)
         jump = fx & elev & k.gradlike & (dev >= self._log_jump)
-        g_cus = max(cus[GRAD], cus[UPDATE])
-        if cfg.layer_drift and len(cus) > N_FIXED:
-            g_cus = max(g_cus, float(cus[N_FIXED:].max()))
-        grad_drift = g_cus >= cfg.drift_h
-        together = bool(grad_drift and cus[LOSS] >= cfg.loss_drift_h)
-        alone = fx & (cus >= cfg.drift_alone_h)
-        nl = len(state.channels) - N_FIXED
+        together = joint >= cfg.drift_h
+        alone = [c for c in (GRAD, UPDATE, LOSS, PARAM) if cus[c] >= cfg.drift_alone_h]
         n_hot_layers = 0
         multi = False
-        if nl and cfg.layers_at_once:
+        if w.nl and cfg.layers_at_once:
             n_hot_layers = int(np.count_nonzero(elev[N_FIXED:] & (dev[N_FIXED:] >= k.lwarn[N_FIXED:])))
             multi = n_hot_layers >= cfg.layers_at_once
-        if not (esc.any() or jump.any() or together or alone.any() or multi):
+        if not (esc.any() or jump.any() or together or alone or multi):
             return None
 
         def pick(mask: np.ndarray) -> int:
@@ -564,20 +813,22 @@ class Detector:
         elif jump.any():
             rule, chan = "jump", pick(jump)
         elif together:
-            rule, chan = "together", GRAD if cus[GRAD] >= cus[UPDATE] else UPDATE
-        elif alone.any():
-            rule, chan = "alone", pick(alone)
+            zg, zu = z[GRAD], z[UPDATE]
+            rule, chan = "together", UPDATE if (zu == zu and not zu <= zg) else GRAD
+        elif alone:
+            rule, chan = "alone", alone[0]
         else:
             rule, chan = "layers", GRAD
-        layers = self._ordered_layers(state, stats, elev, dev)
-        signal = state.channels[chan]
-        ratio = math.exp(float(dev[chan])) if math.isfinite(dev[chan]) else _NAN
-        base = math.exp(float(state.stats[MU, chan]))
-        value = float(x[chan])
+        layers = self._ordered_layers(w, elev, z)
+        signal = w.channels[chan]
+        d = float(dev[chan])
+        ratio = math.exp(d) if math.isfinite(d) else _NAN
+        base = math.exp(float(y[chan]) - d) if math.isfinite(d) else _NAN
+        value = float(x[chan]) if chan < N_FIXED else _NAN
         where = f", led by {layers[0]}" if layers else ""
         act = "save a checkpoint now and be ready to rewind; consider lowering the learning rate"
         if rule == "escalating":
-            prev_ratio = math.exp(float(state.stats[PREV, chan]))
+            prev_ratio = math.exp(prev4[chan])
             msg = (f"{signal} is escalating: {prev_ratio:.3g}x -> {ratio:.3g}x its baseline "
                    f"({_fmt(base)} -> {_fmt(value)}), {int(grow[chan])} growing steps in a row{where}; "
                    f"collapse risk, {act}.")
@@ -585,7 +836,8 @@ class Detector:
             msg = (f"{signal} jumped to {ratio:.3g}x its baseline ({_fmt(base)} -> {_fmt(value)}) "
                    f"in one step{where}; collapse risk, {act}.")
         elif rule == "together":
-            lr = math.exp(float(dev[LOSS])) if math.isfinite(dev[LOSS]) else _NAN
+            dl = float(dev[LOSS])
+            lr = math.exp(dl) if math.isfinite(dl) else _NAN
             msg = (f"{signal} and the loss have been rising together for several steps (now "
                    f"{ratio:.3g}x and {lr:.3g}x their baselines){where}; collapse risk, {act}.")
         elif rule == "alone":
@@ -593,40 +845,42 @@ class Detector:
                    f"({_fmt(base)} -> {_fmt(value)}){where}; collapse risk, {act}.")
         else:
             msg = (f"{n_hot_layers} layers jumped together{where}; collapse risk, {act}.")
-        scale = float(state.stats[SCALE, chan])
+        zc = float(z[chan])
         return Event(
             step=int(obs.step), kind=Kind.COLLAPSE_RISK, level=Level.WARNING, message=msg,
             signal=signal, layers=layers,
             values={"value": value, "baseline": base, "ratio": ratio,
-                    "z": float(dev[chan]) / scale if math.isfinite(dev[chan]) else _NAN,
-                    "cusum": float(cus[chan]), "steps": float(max(streak[chan], grow[chan])),
+                    "z": zc if math.isfinite(zc) else _NAN,
+                    "cusum": float(joint if rule == "together" else cus[chan]),
+                    "steps": float(max(streak[chan], grow[chan])),
                     "layers_elevated": float(int(np.count_nonzero(elev[N_FIXED:])))},
             batch=obs.batch)
 
-    def _spike_event(self, obs, state: DetectorState) -> Event:
-        chan = state.ep_peak_chan
-        signal = state.channels[chan]
-        ratio = math.exp(state.ep_peak_dev)
-        base = math.exp(float(state.stats[MU, chan]))
-        first = state.ep_first_layer
+    def _spike_event(self, obs, w: _Work) -> Event:
+        ep_peak_dev, chan, peak_step = w.ep_peak_dev, w.ep_peak_chan, w.ep_peak_step
+        start, first = w.ep_start, w.ep_first_layer
+        signal = w.channels[chan]
+        ratio = math.exp(ep_peak_dev)
+        base = math.exp(float(w.mu[chan]))
         layers: tuple[str, ...] = ()
         if first >= 0:
-            layers = (state.channels[first][len("grad_norm/"):],)
-        if chan >= N_FIXED and (not layers or state.channels[chan][len("grad_norm/"):] != layers[0]):
-            layers = layers + (state.channels[chan][len("grad_norm/"):],)
-        dur = int(obs.step) - state.ep_start
+            layers = (w.channels[first][len("grad_norm/"):],)
+        if chan >= N_FIXED and (not layers or w.channels[chan][len("grad_norm/"):] != layers[0]):
+            layers = layers + (w.channels[chan][len("grad_norm/"):],)
+        dur = int(obs.step) - start
         where = f" (first in {layers[0]})" if layers else ""
         return Event(
             step=int(obs.step), kind=Kind.GRAD_SPIKE, level=Level.INFO, signal=signal, layers=layers,
-            message=(f"Isolated {signal} spike at step {state.ep_peak_step}: {ratio:.3g}x its baseline"
+            message=(f"Isolated {signal} spike at step {peak_step}: {ratio:.3g}x its baseline"
                      f"{where}, back to normal after {dur} step{'s' if dur != 1 else ''}; nothing to do "
                      "unless these become frequent."),
             values={"ratio": ratio, "value": ratio * base, "baseline": base,
-                    "peak_step": float(state.ep_peak_step), "steps": float(dur)},
+                    "peak_step": float(peak_step), "steps": float(dur)},
             batch=obs.batch)
 
-    def _nonfinite_layers(self, state, ln, lnf) -> tuple[str, ...]:
-        names = state.layer_names
+    @staticmethod
+    def _nonfinite_layers(w: _Work, ln, lnf) -> tuple[str, ...]:
+        names = w.channels[N_FIXED:]
         if not names:
             return ()
         bad = None
@@ -637,12 +891,12 @@ class Detector:
             bad = nf if bad is None else (bad | nf)
         if bad is None:
             return ()
-        return tuple(names[i] for i in np.flatnonzero(bad))  # given (backward) order
+        return tuple(names[i][len("grad_norm/"):] for i in np.flatnonzero(bad))  # backward order
 
-    def _nonfinite_event(self, obs, state, ln, lnf, count: int, scaler: bool) -> Event:
-        layers = self._nonfinite_layers(state, ln, lnf)
+    def _nonfinite_event(self, obs, w: _Work, ln, lnf, count: int, scaler: bool) -> Event:
+        layers = self._nonfinite_layers(w, ln, lnf)
         g = obs.grad_norm
-        base = math.exp(state.stats[MU, GRAD]) if state.stats[COUNT, GRAD] > 0 else _NAN
+        base = math.exp(w.mu[GRAD]) if w.cnt[GRAD] > 0 else _NAN
         where = f", first in {layers[0]}" if layers else ""
         if scaler:
             msg = (f"The loss scaler has overflowed {count} steps in a row{where}: gradients are "
@@ -659,9 +913,8 @@ class Detector:
                     "nonfinite_layers": float(len(layers)), "steps": float(count)},
             batch=obs.batch)
 
-    def _overflow_event(self, obs, state, loss_scale, count, ln, lnf) -> Event:
-        layers = self._nonfinite_layers(state, ln, lnf)
-        prev = state.loss_scale
+    def _overflow_event(self, obs, w: _Work, prev, loss_scale, count, ln, lnf) -> Event:
+        layers = self._nonfinite_layers(w, ln, lnf)
         return Event(
             step=int(obs.step), kind=Kind.SCALER_OVERFLOW, level=Level.INFO, signal="nonfinite",
             layers=layers,
@@ -676,7 +929,8 @@ class Detector:
 class StreamingDetector:
     """Stateful convenience wrapper: ``alerts = sd.observe(obs)``.
 
-    The live hook and the offline replay both use this class, so both see the same alerts.
+    The live hook and the offline replay both use this class, so both see the same alerts. It
+    updates one working state in place (no per-step allocation); ``state`` returns a snapshot.
     With no ``layer_names``, the first observation that carries layer norms names them
     ``layer0, layer1, ...``.
     """
@@ -687,40 +941,65 @@ class StreamingDetector:
         self.cfg = self.detector.cfg
         self._baseline = dict(baseline) if baseline else None
         self._lazy = not layer_names
-        self.state = self.detector.init(layer_names, self._baseline)
+        self._w = self.detector._load(self.detector.init(layer_names, self._baseline))
+        self._step = self.detector._step
+        self._A = self.detector._A
 
     def observe(self, obs: Observation) -> list[Event]:
-        if self._lazy and obs.layer_norms is not None:
-            if self.state.step >= 0:
-                raise ValueError("layer norms appeared mid-run; pass layer_names to StreamingDetector")
-            names = [f"layer{i}" for i in range(len(obs.layer_norms))]
-            self.state = self.detector.init(names, self._baseline)
-            self._lazy = False
-        alerts, self.state = self.detector.update(self.state, obs)
-        if self._lazy and self.state.step >= 0:
-            self._lazy = False  # a run without layer norms stays without them
-        return alerts
+        if self._lazy:
+            if obs.layer_norms is not None:
+                if self._w.step >= 0:
+                    raise ValueError("layer norms appeared mid-run; pass layer_names to StreamingDetector")
+                names = [f"layer{i}" for i in range(len(obs.layer_norms))]
+                self._w = self.detector._load(self.detector.init(names, self._baseline))
+                self._lazy = False
+            alerts = self._step(self._w, obs)
+            if self._w.step >= 0:
+                self._lazy = False  # a run without layer norms stays without them
+            return alerts
+        return self._step(self._w, obs)
+
+    @property
+    def state(self) -> DetectorState:
+        """A snapshot of the detector's state (a copy: changing it changes nothing)."""
+        return self.detector._snapshot(self._w)
+
+    @state.setter
+    def state(self, value: DetectorState) -> None:
+        self._w = self.detector._load(value)
 
     @property
     def score(self) -> float:
         """Latest instability score: the largest robust z of any signal above its baseline
         (0 when nothing is above it; ~0-3 in calm training; >= spike_z on a spike; 1000 for a
         non-finite step). Monotone in how alarming the step is."""
-        return self.state.score
+        w = self._w
+        if w.score_cap:
+            return SCORE_CAP
+        if not w.has_dev or not w.n:
+            return 0.0
+        t = w.ztmp
+        _divide(w.dev, w.wd, t)
+        if w.dev_nan:
+            m = float(np.fmax.reduce(t))  # NaN (absent) ignored
+        else:
+            m = float(t[t.argmax()])  # a calm step: no NaN, and argmax is the cheap reduction
+        m *= self._A
+        return m if m > 0.0 else 0.0
 
     @property
     def level(self) -> Level:
         """Worst level raised at the latest step."""
-        return Level(self.state.level)
+        return _LEVELS[self._w.level]
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        return self.state.layer_names
+        return tuple(c[len("grad_norm/"):] for c in self._w.channels[N_FIXED:])
 
     def baselines(self) -> dict[str, float]:
         """Current typical value per signal (only signals that have data)."""
-        st = self.state.stats
-        return {c: math.exp(st[MU, i]) for i, c in enumerate(self.state.channels) if st[COUNT, i] > 0}
+        w = self._w
+        return {c: math.exp(w.mu[i]) for i, c in enumerate(w.channels) if w.cnt[i] > 0}
 
     def state_dict(self) -> dict[str, Any]:
         d = self.state.to_dict()
@@ -729,11 +1008,20 @@ class StreamingDetector:
         return d
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        if int(d.get("version", STATE_VERSION)) != STATE_VERSION:
+            # a checkpoint from an older earlywarn: resuming the run matters more than the
+            # detector's memory, which re-learns its baselines within warmup_steps
+            import warnings
+
+            warnings.warn(f"detector state version {d.get('version')} (an older earlywarn) cannot be "
+                          f"loaded into version {STATE_VERSION}; the detector starts afresh", stacklevel=2)
+            self._w = self.detector._load(self.detector.init(self.layer_names, self._baseline))
+            return
         state = DetectorState.from_dict(d)
         if "config" in d and DetectorConfig.from_dict(d["config"]) != self.cfg:
             # a checkpoint from a differently configured detector: keep the state, say so
             import warnings
 
             warnings.warn("loading detector state saved under a different DetectorConfig", stacklevel=2)
-        self.state = state
+        self._w = self.detector._load(state)
         self._lazy = bool(d.get("lazy", False))
