@@ -21,9 +21,9 @@ LADDER = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.15, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0
 """Sensitivities tried (more sensitive first)."""
 
 # the config's warning thresholds, by how they scale (fields a config lacks are skipped)
-_Z = ("spike_z", "drift_h", "loss_drift_h", "drift_alone_h")
+_Z = ("spike_z", "drift_h", "drift_alone_h")
 _RATIOS = ("spike_ratio", "loss_spike_ratio", "warn_ratio", "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio")
-_COUNTS = ("sustain_steps",)
+_COUNTS: tuple[str, ...] = ()  # step counts stay as configured: only thresholds move
 
 
 def scaled_config(base: Any, s: float) -> Any:
@@ -48,10 +48,6 @@ def scaled_config(base: Any, s: float) -> Any:
     # keep the config's own invariants
     if "admit_z" in names and "spike_z" in kw:
         kw["admit_z"] = min(float(base.admit_z), kw["spike_z"])
-    if "sustain_steps" in kw and "escalate_steps" in names:
-        kw["sustain_steps"] = max(kw["sustain_steps"], int(base.escalate_steps))
-    if "readapt_steps" in names and "sustain_steps" in kw:
-        kw["readapt_steps"] = max(int(base.readapt_steps), kw["sustain_steps"] + 1)
     return replace(base, **kw)
 
 
