@@ -335,13 +335,10 @@ class Watcher:
         assert self._reducer is not None
         return self._reducer.reduce(vec, loss_reported=reported)
 
-    def _batch(self) -> Any:
-        return self.recovery.last_batch()
-
     def _begin(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, _Tag]:
         self._settle_backward_order()
         vec, reported = self._device_vector(inv_scale)
-        tag = _Tag(self._step, self._batch(), reported)
+        tag = _Tag(self._step, self.recovery.last_batch(), reported)
         self._step += 1
         return vec, tag
 
@@ -507,11 +504,11 @@ class Watcher:
             # An episode starts at its first warning-or-worse alert (info spikes do not count).
             if self._incident_start is None and any(a.level >= Level.WARNING for a in decision.alerts):
                 self._incident_start = (tag.step, tag.batch)
-        elif self._last_alert_step is not None and tag.step - self._last_alert_step > self.recovery.config.clean_window:
+        clean = self._last_alert_step is None or tag.step - self._last_alert_step > self.recovery.config.clean_window
+        if clean:
             self._incident_start = None
         self.counters["steps"] = self._step
         self._log_metrics(tag.step, obs)
-        clean = self._last_alert_step is None or tag.step - self._last_alert_step > self.recovery.config.clean_window
         self.recovery.after_step(tag.step, clean=clean and not decision.skip)
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
@@ -582,7 +579,7 @@ class Watcher:
         else:
             what = "gradient spike"
         # Without a restorable loader the batch is known only by its position in the step count.
-        batch = _describe_batch(tag.batch) if tag.batch is not None else f"batch #{tag.step} (counting optimizer steps)"
+        batch = str(tag.batch) if tag.batch is not None else f"batch #{tag.step} (counting optimizer steps)"
         if self.scaler is not None and decision.nonfinite:
             action = "GradScaler skipped the step (loss-scale overflow or a bad batch)"
         else:
@@ -630,8 +627,11 @@ class _Counters:
         return {"step": self._w._step, "counters": dict(self._w.counters)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        # The step counter stays monotonic across a rewind (trackers drop lower steps).
-        self._w.counters.update({k: v for k, v in state["counters"].items() if k not in self._w.counters})
+        # Only a resume loads this (rewinds keep the live counters: keep_on_rewind). The step never
+        # goes back: trackers drop rows whose step is lower than one already logged.
+        self._w.counters.update(state["counters"])
+        self._w._step = max(self._w._step, int(state["step"]))
+        self._w.counters["steps"] = self._w._step
 
 
 @dataclass(frozen=True)
@@ -659,17 +659,8 @@ def _reason(decision: _Decision) -> str:
 
 
 def _batch_index(batch: Any) -> int | None:
-    if batch is None:
-        return None
-    if isinstance(batch, int):
-        return batch
-    return getattr(batch, "batch_index", None)
-
-
-def _describe_batch(batch: Any) -> str:
-    if isinstance(batch, int):
-        return f"batch {batch}"
-    return str(batch)
+    # `batch` is the recovery layer's BatchRef, or None without a restorable loader.
+    return None if batch is None else batch.batch_index
 
 
 def _safe(sink: Sink, method: str, *args: Any) -> None:

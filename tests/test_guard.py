@@ -352,3 +352,28 @@ def test_decide_now_apply_later_for_trainers_that_clip_in_between(name):
     assert [e.step for e in ew.events if e.kind is Kind.SKIP] == [2]
     assert all_finite(model, opt)
     ew.close()
+
+
+def test_resume_from_disk_restores_the_watchers_counters_and_never_lowers_its_step(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = earlywarn.RecoveryConfig(checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    ew = earlywarn.watch(model, opt, recovery=cfg, sinks=[])
+    for i, (x, y) in enumerate(batches(30)):  # clean checkpoints come clean_window (20) steps after the skip
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if i == 2:
+            inject_inf(model)
+        opt.step()
+    ew.close()
+    assert ew.counters["skipped_steps"] == 1
+
+    # A new process: fresh model, optimizer and watcher, resumed from the last clean checkpoint.
+    model2 = MLP()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    ew2 = earlywarn.watch(model2, opt2, recovery=earlywarn.RecoveryConfig(checkpoint_dir=str(tmp_path)), sinks=[])
+    saved_step = ew2.recovery.resume(restore_data=False)  # no loader: no data position to restore
+    assert ew2.counters["skipped_steps"] == 1
+    assert ew2.step >= saved_step > 0
+    ew2.close()
