@@ -6,11 +6,12 @@ Writes the run as CSV (step, loss, grad_norm, grad_norm/<layer> x 50: ~78 MB) an
 times each stage separately, best of ``--repeat``:
 
   parse   read_source (CSV: numpy's C parser; npz: np.load) + hygiene (clean)
-  detect  the replay through earlywarn.detect.StreamingDetector, one observe() per step
+  detect  the replay through earlywarn.detect.StreamingDetector (observe_columns: the live
+          per-step code, calm rows without building an Observation)
   report  incidents and the report object
 
 and, for "many runs in one call", ``--runs`` runs of 10,000 steps in one ``analyze`` call.
-The target in issue #6 is parse + detect < 2 s for the 150k x 50 run. Wall-clock and CPU time are
+The target in issue #6 is the whole analysis (parse + detect + report) < 2 s for the 150k x 50 run. Wall-clock and CPU time are
 both printed (on a shared machine wall-clock is inflated); nothing is asserted.
 """
 
@@ -110,10 +111,10 @@ def main() -> None:
     for label, path in (("csv", csv_path), ("npz", npz_path)):
         r = time_one(path, args.repeat)
         per_step = 1e6 * r["detect"] / args.steps
-        verdict = "meets" if r["parse"] + r["detect"] < TARGET_S else "MISSES"
+        verdict = "meets" if r["total"] < TARGET_S else "MISSES"
         print(f"{label}: parse {r['parse']:.2f} s | detect {r['detect']:.2f} s ({per_step:.1f} us/step) | "
-              f"report {r['report']:.3f} s | total {r['total']:.2f} s wall -> {verdict} the {TARGET_S:.0f} s target "
-              f"(parse + detect); {r['alerts']} alerts, {r['incidents']} incident(s), lead {r['lead']} steps")
+              f"report {r['report']:.3f} s | total {r['total']:.2f} s wall -> {verdict} the {TARGET_S:.0f} s target; "
+              f"{r['alerts']} alerts, {r['incidents']} incident(s), lead {r['lead']} steps")
         print(f"     CPU time: parse {r['parse_cpu']:.2f} s | detect {r['detect_cpu']:.2f} s "
               f"({1e6 * r['detect_cpu'] / args.steps:.1f} us/step) | report {r['report_cpu']:.3f} s "
               "(wall > CPU means the machine was shared)")

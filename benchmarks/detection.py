@@ -40,7 +40,8 @@ Scoring
   The *matched* table re-runs each peer that has a threshold at the most sensitive setting of a
   fixed ladder whose false-alarm rate is at most earlywarn's, and compares recall and lead there.
 
-Usage: ``python benchmarks/detection.py [--verbose] [--no-corpus] [--no-holdout] [--no-matched]``
+Usage: ``python benchmarks/detection.py [--verbose] [--no-corpus] [--no-holdout] [--no-matched]
+[--frontier]``
 """
 
 from __future__ import annotations
@@ -385,6 +386,39 @@ def bloom_and_llmc_checks(runs: list[BenchRun], cfg: DetectorConfig | None) -> l
     return out
 
 
+FRONTIER = (("drift_h", (2.0, 2.5, 3.0, 4.0, 6.0, 8.0)), ("loss_min_scale", (0.05, 0.10, 0.12)),
+            ("together_k", (1.0,)), ("drift_h", (float("inf"),)))
+"""earlywarn's main sensitivity knobs, one at a time from the defaults (``inf``: the together rule off)."""
+
+
+def frontier(runs: list[BenchRun], base: DetectorConfig | None) -> list[str]:
+    """earlywarn at other settings of its knobs: what lead and recall cost in false alarms."""
+    from dataclasses import replace
+
+    base = base or DetectorConfig()
+    obs_cache = {r.name: r.observations() for r in runs}
+    lines = [f"{'setting':24s} {'recall@lead>=1':>14s} {'median lead':>12s} {'false alarms/10k':>17s} "
+             f"{'events':>7s}  llm.c / BLOOM"]
+    seen = set()
+    for knob, values in (("defaults", (None,)),) + FRONTIER:
+        for v in values:
+            cfg = base if v is None else replace(base, **{knob: v})
+            key = tuple(sorted(cfg.to_dict().items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            sc = Score()
+            for r in runs:
+                sd = StreamingDetector(cfg, r.layer_names, r.baseline)
+                score_run(sc, r, alarm_steps(sd, lambda e: e.level >= Level.WARNING, obs_cache[r.name]))
+            checks = bloom_and_llmc_checks([r for r in runs if r.source == "real"], cfg)
+            ok = "both OK" if len(checks) == 2 and all(": OK (target" in ln for ln in checks) else "FAILS"
+            name = "defaults" if v is None else f"{knob}={v:g}"
+            lines.append(f"{name:24s} {sc.recall:>14.1%} {sc.median_lead:>12.1f} {sc.fa_rate:>17.2f} "
+                         f"{f'{sc.detected}/{sc.events}':>7s}  {ok}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verbose", action="store_true", help="per-event leads and false-alarm runs")
@@ -393,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-matched", action="store_true", help="skip the matched false-alarm table")
     ap.add_argument("--config", default=None, help="a DetectorConfig JSON file for earlywarn")
     ap.add_argument("--only", default=None, help="run only detectors whose name contains this")
+    ap.add_argument("--frontier", action="store_true",
+                    help="also run earlywarn at other settings of its sensitivity knobs (~1 min)")
     a = ap.parse_args(argv)
     cfg = DetectorConfig.from_file(a.config) if a.config else None
     t0 = time.perf_counter()
@@ -448,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{name:20s} {f'{knob}={v:g}':>22s} {s.recall:>14.1%} {s.median_lead:>12.1f} "
                       f"{s.fa_rate:>17.2f} {f'{s.detected}/{s.events}':>7s}")
+    if a.frontier:
+        print("\nearlywarn's trade-off (one knob at a time from the defaults; llm.c: no warning, "
+              "BLOOM: warning by 31217):")
+        print("\n".join(frontier(runs, cfg)))
     if a.verbose:
         print("\nper event (lead in steps; - = missed):")
         names = list(scores)

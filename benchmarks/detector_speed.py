@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from earlywarn.detect import Detector, Observation, StreamingDetector  # noqa: E402
+from earlywarn.detect import Detector, Observation, StepColumns, StreamingDetector  # noqa: E402
 from earlywarn.events import Level  # noqa: E402
 
 
@@ -84,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         if cpu < best_cpu:
             best_cpu, t_add = cpu, 0.5 * (before + add_ns())
 
+    # the offline replay's entry point: the same per-step code over columns (calm rows without
+    # an Observation each); it must raise exactly the alerts observe() raised
+    cols = StepColumns(step=np.array([o.step for o in obs]), grad_norm=np.array([o.grad_norm for o in obs]),
+                       loss=np.array([o.loss for o in obs]), layer_norms=np.stack([o.layer_norms for o in obs]))
+    best_cols = float("inf")
+    for _ in range(a.repeat):
+        sd_cols = StreamingDetector(layer_names=names)
+        c = time.process_time()
+        col_alerts = sd_cols.observe_columns(cols)
+        best_cols = min(best_cols, time.process_time() - c)
+    same = len(col_alerts) == n_alerts and np.array_equal(sd_cols.state.stats, sd.state.stats)
+
     # memory: the live wrapper updates one working state in place, the pure pair returns a new
     # one; neither may accumulate. numpy fills internal caches the first time each path runs
     # (the escalation, the non-finite step, the zero layer), so the traced replay is the second
@@ -132,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.steps:,} steps x {a.layers} layers, one core: {best_cpu:.2f} s CPU "
           f"({us:.1f} us/step), {best_wall:.2f} s wall (best of {a.repeat}); "
           f"{n_alerts} alerts ({n_warn} warning or worse)")
+    print(f"offline replay (observe_columns): {best_cols:.2f} s CPU ({1e6 * best_cols / a.steps:.1f} us/step), "
+          f"{'the same alerts and final state as observe()' if same else 'DIFFERENT from observe()'}")
     for label, n, (m1, m2, m3) in (("observe (in place)", a.steps, live),
                                    ("Detector.update (pure)", n_pure, pure_mem)):
         print(f"memory, {label}: {m1 / 1024:.1f} KiB after {n // 4:,} steps, {m2 / 1024:.1f} KiB after "

@@ -15,6 +15,7 @@ import pytest
 
 from earlywarn.detect import (Detector, DetectorConfig, DetectorState, Observation,
                               StreamingDetector, replay)
+from earlywarn.detect.observation import StepColumns
 from earlywarn.detect.replay import observations_from_arrays
 from earlywarn.events import Event, Kind, Level
 
@@ -277,6 +278,79 @@ def test_replay_is_the_live_code_path():
     assert _alerts_key(res.alerts) == _alerts_key(alerts)
     assert res.first(Level.WARNING) is not None
     assert len(res.scores) == len(obs) and res.scores[-1] == 1000.0
+
+
+def _columns_run(T: int = 6000, seed: int = 3) -> StepColumns:
+    """Long enough to mature, with everything that leaves the calm path: spikes, an escalation,
+    NaN / inf values, a frozen layer, rows without layers or grad norm, skipped rows, an update
+    norm that comes and goes, loss-scale readings with a drop, a loss that diverges."""
+    rng = np.random.default_rng(seed)
+    nl = len(LAYERS)
+    lay = np.exp(rng.normal(-2, 0.12, (T, nl)))
+    lay[1500:1530, 2] = 0.0
+    lay[2000, 3] = np.nan
+    lay[2100, 1] = np.inf
+    lay[2500:2506] *= np.array([3, 9, 30, 90, 300, 900])[:, None]
+    lay[4000:4080, 5] *= 1.8  # a long plateau in one layer
+    g = np.sqrt((lay ** 2).sum(1))
+    g[2700] = np.nan
+    loss = 3 * np.exp(rng.normal(0, 0.02, T))
+    loss[3000:3030] *= np.linspace(1, 3, 30)
+    loss[3500] = np.inf
+    gk = np.ones(T, bool)
+    gk[1000:1040] = False
+    lk = np.ones(T, bool)
+    lk[1200:1220] = False
+    lk[::997] = False
+    skipped = np.zeros(T, bool)
+    skipped[1800:1803] = True
+    un = np.exp(rng.normal(-5, 0.1, T))
+    uk = np.zeros(T, bool)
+    uk[3200:4000] = True  # present, then absent again across a chunk boundary (4096)
+    ls = np.full(T, 65536.0)
+    ls[5200:] = 32768.0
+    lsk = np.zeros(T, bool)
+    lsk[5190:5300] = True
+    return StepColumns(step=np.arange(T) * 2, grad_norm=g, grad_known=gk, loss=loss, layer_norms=lay,
+                       layers_known=lk, skipped=skipped,
+                       extras={"update_norm": (un, uk), "loss_scale": (ls, lsk), "lr": (np.full(T, 1e-3), None)})
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_observe_columns_is_observe_row_by_row_bit_for_bit(pieces):
+    cols = _columns_run()
+    row_by_row = StreamingDetector(layer_names=LAYERS)
+    expected = [(i, a) for i in range(len(cols)) for a in row_by_row.observe(cols.observation(i))]
+    assert {a.kind for _, a in expected} >= {Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
+                                            Kind.GRAD_SPIKE, Kind.SCALER_OVERFLOW}
+    by_columns = StreamingDetector(layer_names=LAYERS)
+    per_row = []  # rows the columns path handed to the per-row step (not calm, or not eligible)
+    step = by_columns.detector._step
+    by_columns.detector._step = lambda w, o: (per_row.append(o.step), step(w, o))[1]
+    cuts = np.linspace(0, len(cols), pieces + 1).astype(int)
+    got = [x for a, b in zip(cuts[:-1], cuts[1:]) for x in by_columns.observe_columns(cols, a, b)]
+    assert len(per_row) < 500  # ~280: warm-up, the odd rows above; the rest of 6000 rows ran calm
+    assert [i for i, _ in got] == [i for i, _ in expected]
+    assert _alerts_key([a for _, a in got]) == _alerts_key([a for _, a in expected])
+    s1, s2 = row_by_row.state, by_columns.state
+    np.testing.assert_array_equal(s1.stats, s2.stats)
+    np.testing.assert_array_equal(s1.dev, s2.dev)
+    same = lambda s: s._replace(stats=None, dev=None, loss_scale=str(s.loss_scale))  # noqa: E731
+    assert same(s1) == same(s2)
+
+
+def test_observe_columns_takes_the_calm_path_and_names_layers_lazily():
+    lay, g, loss = _calm_run(3000, seed=21)
+    cols = StepColumns(step=np.arange(3000), grad_norm=g, loss=loss, layer_norms=lay)
+    sd = StreamingDetector()  # no layer names: taken from the first row, as observe() does
+    calls = []
+    general = sd.detector._general
+    sd.detector._general = lambda *a: (calls.append(1), general(*a))[1]
+    assert all(a.level <= Level.INFO for _, a in sd.observe_columns(cols))
+    assert sd.layer_names == tuple(f"layer{i}" for i in range(8))
+    assert len(calls) < 100  # warm-up; ~3000 would mean the columns path never ran calm
+    with pytest.raises(ValueError, match="layer_norms has shape"):
+        StreamingDetector(layer_names=LAYERS[:5]).observe_columns(cols)
 
 
 # -- robust baselines ---------------------------------------------------------------------------

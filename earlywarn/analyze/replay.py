@@ -8,13 +8,13 @@ after loading the checkpoint, so the steps of the abandoned segment do not count
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
-
 from earlywarn.analyze.hygiene import CleanRun
-from earlywarn.events import Event, Level
+from earlywarn.detect.observation import StepColumns
+from earlywarn.events import Event
 
 SNAPSHOT_EVERY = 64
 """Rows between detector snapshots (only for runs with resumes)."""
@@ -25,10 +25,6 @@ class Replay:
     alerts: list[Event]
     alert_rows: list[int]
     """Row index of each alert (same order as ``alerts``)."""
-    score: np.ndarray
-    """``StreamingDetector.score`` after each row (NaN where the detector has none)."""
-    level: np.ndarray
-    """``StreamingDetector.level`` after each row (int)."""
     restored: list[dict[str, Any]] = field(default_factory=list)
     """One record per resume: ``{"step", "restored_from_step"}`` (``None``: a fresh detector)."""
 
@@ -48,82 +44,60 @@ def _make_detector(cfg: Any, layer_names: tuple[str, ...], baseline: Mapping[str
         raise AnalyzeError(f"detector: {' '.join(str(e).split())}") from None
 
 
-def replay(run: CleanRun, cfg: Any = None, baseline: Mapping[str, float] | None = None) -> Replay:
-    """Feed every row of ``run`` to a fresh ``StreamingDetector``; collect its alerts and score."""
-    from earlywarn.detect import Observation
+def step_columns(run: CleanRun) -> StepColumns:
+    """The run's rows as the detector's input columns (row ``i`` is one Observation)."""
+    return StepColumns(
+        step=run.step, grad_norm=run.grad_norm, grad_known=run.grad_known, loss=run.loss,
+        loss_known=run.loss_known, layer_norms=run.layers, layers_known=run.layers_known,
+        skipped=run.skipped, extras=dict(run.extras))
 
+
+def replay(run: CleanRun, cfg: Any = None, baseline: Mapping[str, float] | None = None) -> Replay:
+    """Feed every row of ``run`` to a fresh ``StreamingDetector``, as the live hook would have;
+    collect its alerts."""
     n = len(run)
     sd = _make_detector(cfg, run.layer_names, baseline)
+    cols = step_columns(run)
     steps = run.step.tolist()
-    loss = run.loss.tolist()
-    loss_known = run.loss_known.tolist()
-    grad = run.grad_norm.tolist()
-    grad_known = run.grad_known.tolist()
-    skipped = run.skipped.tolist()
-    layers = run.layers
-    layers_known = run.layers_known.tolist()
-    extras_cols = [(name, vals.tolist(), known.tolist()) for name, (vals, known) in run.extras.items()]
-    resume_rows = {r.row: r for r in run.resumes}
-    score = np.full(n, np.nan)
-    level = np.zeros(n, dtype=np.int8)
+    resume_rows = sorted(r.row for r in run.resumes)
+    resume_at = {r.row: r for r in run.resumes}
     alerts: list[Event] = []
     alert_rows: list[int] = []
     restored: list[dict[str, Any]] = []
 
-    snapshots: list[tuple[int, int, Any]] = []  # (row, last step observed, state)
-    take_snapshots = bool(resume_rows)
-    since = SNAPSHOT_EVERY
-    last_step = None
-
-    def observe(i: int) -> list[Event]:
-        extras = {name: vals[i] for name, vals, known in extras_cols if known[i]}
-        obs = Observation(
-            step=steps[i],
-            grad_norm=grad[i] if grad_known[i] else None,
-            layer_norms=layers[i] if (layers is not None and layers_known[i]) else None,
-            loss=loss[i] if loss_known[i] else None,
-            skipped=skipped[i],
-            extras=extras,
-        )
-        return sd.observe(obs)
-
-    for i in range(n):
-        if i in resume_rows:
-            target = resume_rows[i].step
-            # the newest snapshot taken before the run first passed the resume step
-            pick = None
-            for k in range(len(snapshots) - 1, -1, -1):
-                if snapshots[k][1] < target:
-                    pick = k
-                    break
-            if pick is None:
-                sd = _make_detector(cfg, run.layer_names, baseline)
-                restored.append({"step": target, "restored_from_step": None})
-                last_step = None
-            else:
-                row0, step0, state = snapshots[pick]
-                sd.load_state_dict(copy.deepcopy(state))
-                last_step = step0
-                # catch up on the rows logged after that snapshot and before the resume step
-                for j in range(row0 + 1, i):
-                    if last_step < steps[j] < target:
-                        observe(j)  # alerts for these rows were already reported the first time
-                        last_step = steps[j]
-                restored.append({"step": target, "restored_from_step": last_step})
-                del snapshots[pick + 1:]
-            since = SNAPSHOT_EVERY
-        new = observe(i)
-        last_step = steps[i]
-        for ev in new:
+    def feed(a: int, b: int) -> None:
+        for row, ev in sd.observe_columns(cols, a, b):
             alerts.append(ev)
-            alert_rows.append(i)
-        s = getattr(sd, "score", None)
-        if s is not None:
-            score[i] = float(s)
-        level[i] = int(getattr(sd, "level", Level.NONE))
-        if take_snapshots:
-            since += 1
-            if since >= SNAPSHOT_EVERY or (i + 1) in resume_rows:
-                snapshots.append((i, steps[i], copy.deepcopy(sd.state_dict())))
-                since = 0
-    return Replay(alerts=alerts, alert_rows=alert_rows, score=score, level=level, restored=restored)
+            alert_rows.append(row)
+
+    if not resume_rows:
+        feed(0, n)
+        return Replay(alerts=alerts, alert_rows=alert_rows)
+
+    # with resumes: snapshots of the detector every SNAPSHOT_EVERY rows (and just before each
+    # resume), so that a resume can go back to the state the run had at the resume step
+    snapshots: list[tuple[int, float, Any]] = [(-1, -math.inf, copy.deepcopy(sd.state_dict()))]  # (row, last step, state)
+    i = 0
+    while i < n:
+        if i in resume_at:
+            target = resume_at[i].step
+            # the newest snapshot taken before the run first passed the resume step
+            pick = next(k for k in range(len(snapshots) - 1, -1, -1) if snapshots[k][1] < target)
+            row0, step0, state = snapshots[pick]
+            sd = _make_detector(cfg, run.layer_names, baseline)
+            sd.load_state_dict(copy.deepcopy(state))
+            last_step = step0
+            # catch up on the rows logged after that snapshot and before the resume step
+            for j in range(row0 + 1, i):
+                if last_step < steps[j] < target:
+                    sd.observe(cols.observation(j))  # its alerts were reported the first time
+                    last_step = steps[j]
+            restored.append({"step": target,
+                             "restored_from_step": None if last_step == -math.inf else last_step})
+            del snapshots[pick + 1:]
+        nxt = next((r for r in resume_rows if r > i), n)
+        end = min(nxt, i + SNAPSHOT_EVERY)
+        feed(i, end)
+        snapshots.append((end - 1, steps[end - 1], copy.deepcopy(sd.state_dict())))
+        i = end
+    return Replay(alerts=alerts, alert_rows=alert_rows, restored=restored)

@@ -242,6 +242,30 @@ def _refs(loss: np.ndarray, admit: np.ndarray, a: int, b: int, prior: float | No
     return out
 
 
+def _ref_floor(loss: np.ndarray, admit: np.ndarray, a: int, b: int, prior: float | None) -> np.ndarray:
+    """A lower bound of :func:`_refs` for rows [a, b): the minimum instead of the median of the
+    same window. A row whose loss is not a jump over this bound is not a jump over the median,
+    so the (costlier) medians are taken only for the chunks that have a candidate."""
+    idx = np.flatnonzero(admit[:b])
+    vals = loss[idx]
+    ks = np.searchsorted(idx, np.arange(a, b))
+    out = np.full(b - a, np.nan if prior is None else prior)
+    ok = ks >= 3
+    if not ok.any():
+        return out
+    k_lo, k_hi = int(ks[ok][0]), int(ks[-1])
+    low = np.full(k_hi + 1, np.nan)
+    if k_lo < LOSS_WINDOW:
+        pre = np.minimum.accumulate(vals[:min(LOSS_WINDOW, k_hi + 1)])
+        low[k_lo:min(LOSS_WINDOW, k_hi + 1)] = pre[k_lo - 1:min(LOSS_WINDOW, k_hi + 1) - 1]
+    lo = max(LOSS_WINDOW, k_lo)
+    if k_hi >= lo:
+        win = np.lib.stride_tricks.sliding_window_view(vals[lo - LOSS_WINDOW:k_hi], LOSS_WINDOW)
+        low[lo:k_hi + 1] = win.min(axis=1)
+    out[ok] = low[ks[ok]]
+    return out
+
+
 CHUNK = 4096
 
 
@@ -272,8 +296,14 @@ def find_incidents(run: CleanRun, rep: Replay, baseline: Mapping[str, float] | N
     a = 0
     while a < n:
         b = min(n, a + CHUNK)
-        ref = _refs(loss, admit, a, b, prior)
         x = loss[a:b]
+        floor = _ref_floor(loss, admit, a, b, prior)
+        with np.errstate(invalid="ignore"):
+            maybe = nonfinite[a:b] | (finite[a:b] & (x >= floor * COLLAPSE_RATIO) & (x - floor >= COLLAPSE_MIN_RISE))
+        if not maybe.any():
+            a = b
+            continue
+        ref = _refs(loss, admit, a, b, prior)
         with np.errstate(invalid="ignore"):
             jump = finite[a:b] & (x >= ref * COLLAPSE_RATIO) & (x - ref >= COLLAPSE_MIN_RISE)
         hits = np.flatnonzero(nonfinite[a:b] | jump)

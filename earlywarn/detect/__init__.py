@@ -7,7 +7,7 @@ other systems use, for side-by-side comparison.
 
 from earlywarn.detect.config import DetectorConfig
 from earlywarn.detect.detector import Detector, DetectorState, StreamingDetector
-from earlywarn.detect.observation import Observation
+from earlywarn.detect.observation import Observation, StepColumns
 from earlywarn.detect.replay import ReplayResult, replay
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "DetectorState",
     "Observation",
     "ReplayResult",
+    "StepColumns",
     "StreamingDetector",
     "replay",
 ]

@@ -38,7 +38,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from earlywarn.detect.config import DetectorConfig
-from earlywarn.detect.observation import Observation
+from earlywarn.detect.observation import Observation, StepColumns
 from earlywarn.events import Event, Kind, Level
 
 # fixed channels, then one per layer
@@ -65,6 +65,7 @@ _copysign, _greater, _not_equal = np.copysign, np.greater, np.not_equal
 _fmax, _fmin, _multiply, _add = np.fmax, np.fmin, np.multiply, np.add
 _LEVELS = tuple(Level(i) for i in range(max(Level) + 1))
 _PAT_KEYS = ((1, GRAD), (2, LOSS), (4, UPDATE), (8, PARAM))
+_CHUNK_ROWS = 2048  # rows whose log-values StreamingDetector.observe_columns takes at once
 
 
 class DetectorState(NamedTuple):
@@ -172,7 +173,7 @@ class _Work:
     per-step rescaling."""
 
     __slots__ = ("channels", "n", "nl", "S2", "mu", "wd", "cnt", "streak", "grow", "prev", "cus",
-                 "joint", "y", "yl", "W", "D2", "dev", "adev", "P2", "P0", "P1", "R2", "M2", "bb", "fixed",
+                 "joint", "y", "y2", "yl", "W", "D2", "dev", "adev", "P2", "P0", "P1", "R2", "M2", "bb", "fixed",
                  "k", "lmask", "lcmp", "n_lay", "ztmp", "dev_nan", "has_dev", "step", "pattern",
                  "fast", "episode", "ep_start", "ep_peak_step", "ep_peak_chan", "ep_peak_dev", "ep_first_layer", "ep_warned", "since_warn",
                  "loss_div", "loss_div_fired", "nonfinite", "overflow", "loss_scale", "scale_pending",
@@ -193,6 +194,7 @@ class _Work:
         self.cus = [0.0] * N_FIXED
         self.joint = 0.0
         self.y = np.zeros(n)
+        self.y2 = self.y[None, :]  # the same memory as one row, for _calm_rows
         self.yl = self.y[N_FIXED:]
         self.P2 = np.zeros((2, n))
         self.P0, self.P1 = self.P2[0], self.P2[1]
@@ -437,86 +439,196 @@ class Detector:
                 if _cnz(lm):
                     return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
                 _np_log(ln, out=w.yl, where=w.lmask, dtype=_F64)
-        dev, adev, bb, n, k = w.dev, w.adev, w.bb, w.n, w.k
-        _subtract(y, w.mu, dev)
-        _absolute(dev, adev)
-        _less(adev, w.wd, bb)  # within admit_z scales either way; NaN / inf fail
-        clip = _cnz(bb) != n
-        if clip:
-            # some channel beyond admit_z: still calm if it is finite and not elevated, i.e. below
-            # max(spike_z * scale, log of the minimum ratio); it enters winsorised
-            thr = w.P0
-            _multiply(w.wd, k.spike_w, thr)
-            _fmax(thr, k.lmin, thr)
-            _less(dev, thr, bb)  # NaN / inf fail
-            if _cnz(bb) != n:
-                return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
-        # run-level channels: CUSUMs and the together evidence, in scalars (as _general does)
-        s4, d4 = w.fixed.tolist()
+        if self._calm_rows(w, w.y2, 0, 1, pattern, (obs.step,)):
+            if loss_scale is not None:
+                w.loss_scale = float(loss_scale)
+            return []
+        return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+
+    def _columns(self, w: _Work, cols: StepColumns, start: int, stop: int) -> list[tuple[int, Event]]:
+        """Rows ``[start, stop)`` of ``cols``, exactly as one :meth:`_step` per row (same state,
+        same alerts), without building an Observation for the calm rows: their log-values are
+        taken for a chunk of rows at once and handed to :meth:`_calm`; every other row goes
+        through :meth:`_step`."""
+        n, nl = w.n, w.nl
+        T = stop - start
+        out: list[tuple[int, Event]] = []
+        if T <= 0:
+            return out
+
+        def known(mask) -> np.ndarray:
+            return np.ones(T, dtype=bool) if mask is None else np.asarray(mask[start:stop], dtype=bool)
+
+        # which signals each row has (the pattern) and whether it may be calm: every given value
+        # finite and > 0, not skipped, no non-finite flag, no loss-scale reading
+        pat = np.zeros(T, dtype=np.int64)
+        ok = np.ones(T, dtype=bool)
+        ex = cols.extras
+        fixed = []
+        for bit, chan, vals, kmask in ((1, GRAD, cols.grad_norm, cols.grad_known),
+                                       (2, LOSS, cols.loss, cols.loss_known),
+                                       (4, UPDATE, *ex.get("update_norm", (None, None))),
+                                       (8, PARAM, *ex.get("param_norm", (None, None)))):
+            if vals is None:
+                continue
+            kn = known(kmask)
+            v = np.asarray(vals[start:stop], dtype=np.float64)
+            pat[kn] |= bit
+            with np.errstate(invalid="ignore"):
+                ok &= ~kn | ((v > 0.0) & (v < math.inf))
+            fixed.append((chan, v, kn))
+        lay = None
+        if cols.layer_norms is not None and nl:
+            lay = np.asarray(cols.layer_norms[start:stop], dtype=np.float64)
+            if lay.ndim != 2 or lay.shape[1] != nl:
+                raise ValueError(f"layer_norms has shape {lay.shape} for a detector initialised with {nl} "
+                                 "layer names; pass (rows, layers) in the same layer order")
+            lk = known(cols.layers_known)
+            pat[lk] |= 16
+            with np.errstate(invalid="ignore"):
+                ok &= ~lk | ((lay > 0.0) & (lay < math.inf)).all(axis=1)
+        if cols.skipped is not None:
+            ok &= ~np.asarray(cols.skipped[start:stop], dtype=bool)
+        if cols.layer_nonfinite is not None:
+            ok &= ~(np.asarray(cols.layer_nonfinite[start:stop]) != 0).any(axis=1)
+        if "loss_scale" in ex:
+            ok &= ~known(ex["loss_scale"][1])  # a scaler reading may be an overflow: per step
+        steps = np.asarray(cols.step[start:stop])
+        absent = [(c, (pat & bit) == 0) for bit, c in _PAT_KEYS]
+        calm_rows, step_fn, mu = self._calm_rows, self._step, w.mu
+
+        for a in range(0, T, _CHUNK_ROWS):
+            b = min(T, a + _CHUNK_ROWS)
+            Y = np.empty((b - a, n))
+            okc = ok[a:b]
+            for chan, v, kn in fixed:  # math.log, as _step takes a run-level value
+                sel = okc & kn[a:b]
+                Y[sel, chan] = list(map(_log, v[a:b][sel].tolist()))
+            if lay is not None:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    _np_log(lay[a:b], Y[:, N_FIXED:])
+
+            def park(r0: int) -> None:
+                # absent run-level channels sit on their baseline (deviation exactly 0), as in _refresh
+                for c, ab in absent:
+                    Y[r0:, c][ab[a + r0:b]] = mu[c]
+
+            park(0)
+            # runs of rows that may be calm under one pattern: run_end[r] is where r's run ends
+            m = b - a
+            brk = ~okc
+            brk[1:] |= pat[a + 1:b] != pat[a:b - 1]
+            cuts = np.append(np.flatnonzero(brk), m)
+            run_end = cuts[np.searchsorted(cuts, np.arange(m), side="right")].tolist()
+            okl, patl, stepl = okc.tolist(), pat[a:b].tolist(), steps[a:b].tolist()
+            r = 0
+            while r < m:
+                if okl[r] and w.fast and patl[r] == w.pattern and w.n_lay == nl:
+                    e = run_end[r]
+                    r = calm_rows(w, Y, r, e, patl[r], stepl)
+                    if r == e:
+                        continue
+                i = start + a + r
+                before = w.pattern
+                for ev in step_fn(w, cols.observation(i)):
+                    out.append((i, ev))
+                if w.pattern != before:
+                    park(r + 1)
+                r += 1
+        return out
+
+    def _calm_rows(self, w: _Work, Y: np.ndarray, r0: int, r1: int, pattern: int, steps) -> int:
+        """Calm steps, one per row of ``Y[r0:r1]`` (each row a step's log-values, absent channels
+        parked on their baseline; same ``pattern`` as the last step; every given value finite
+        and > 0), with ``steps[r]`` the step of row ``r``. Commits rows while they are calm and
+        returns the first row that is not (``r1`` if all were): that row needs the general path,
+        and nothing but scratch vectors was changed for it. The live hook calls this with one
+        row, the offline replay with a chunk: one sequence of operations per step for both."""
+        dev, adev, bb, n, k, mu, wd, fixed = w.dev, w.adev, w.bb, w.n, w.k, w.mu, w.wd, w.fixed
         kd, S, A, tcap, tk, dh, h, ldiv = self._calm_consts
-        if pattern & 2 and d4[1] >= ldiv:
-            return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
         c0, c1, c2, c3 = w.cus
-        zl = zgl = None
-        if g is not None:
-            zgl = d4[0] * A / s4[0]
-            c0 = c0 + (zgl if zgl < S else S) - kd
-            if c0 < 0.0:
-                c0 = 0.0
-        if loss is not None:
-            zl = d4[1] * A / s4[1]
-            c1 = c1 + (zl if zl < S else S) - kd
-            if c1 < 0.0:
-                c1 = 0.0
-        if pattern & 12:
-            if u is not None:
-                zu = d4[2] * A / s4[2]
-                c2 = c2 + (zu if zu < S else S) - kd
-                if c2 < 0.0:
-                    c2 = 0.0
-                if zgl is None or zu > zgl:
-                    zgl = zu
-            if p is not None:
-                zp = d4[3] * A / s4[3]
-                c3 = c3 + (zp if zp < S else S) - kd
-                if c3 < 0.0:
-                    c3 = 0.0
         joint = w.joint
-        if zl is not None and zgl is not None:
-            m = zgl if zgl < zl else zl
-            joint = joint + (m if m < tcap else tcap) - tk
-            if joint < 0.0:
-                joint = 0.0
-        if joint >= dh or c0 >= h or c1 >= h or c2 >= h or c3 >= h or self._force_full:
-            # a warning may be due: the general path decides and words it
-            return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
-        # commit: both EMAs as one stacked multiply-add (see _Work)
-        P2 = w.P2
-        if clip:
-            # clip(dev, +-wd) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
-            P1 = w.P1
-            _fmin(adev, w.wd, P1)
-            _copysign(P1, dev, w.P0)
-            _fmax(P1, k.min_scale, P1)
-            _multiply(P2, w.R2, P2)
-        else:
-            _fmax(adev, k.min_scale, adev)
-            _multiply(w.D2, w.R2, P2)
-        S2 = w.S2
-        _multiply(S2, w.M2, S2)
-        _add(S2, P2, S2)
-        w.cus = [c0, c1, c2, c3]
-        w.joint = joint
-        w.step = obs.step
-        w.has_dev = True
-        w.dev_nan = False
-        if w.since_warn < _BIG:
-            w.since_warn += 1
-        w.level = 0
-        w.score_cap = False
-        if loss_scale is not None:
-            w.loss_scale = float(loss_scale)
-        return []
+        r = r0
+        while r < r1:
+            _subtract(Y[r], mu, dev)
+            _absolute(dev, adev)
+            _less(adev, wd, bb)  # within admit_z scales either way; NaN / inf fail
+            clip = _cnz(bb) != n
+            if clip:
+                # some channel beyond admit_z: still calm if it is finite and not elevated, i.e.
+                # below max(spike_z * scale, log of the minimum ratio); it enters winsorised.
+                # Below the minimum ratio everywhere is enough (the usual case: 2 calls, not 4).
+                _less(dev, k.lmin, bb)  # NaN / inf fail
+                if _cnz(bb) != n:
+                    _multiply(wd, k.spike_w, w.P0)
+                    _fmax(w.P0, k.lmin, w.P0)
+                    _less(dev, w.P0, bb)
+                    if _cnz(bb) != n:
+                        break
+            # run-level channels: CUSUMs and the together evidence, in scalars (as _general does)
+            s4, d4 = fixed.tolist()
+            if pattern & 2 and d4[1] >= ldiv:
+                break
+            n0, n1, n2, n3 = c0, c1, c2, c3
+            zl = zgl = None
+            if pattern & 1:
+                zgl = d4[0] * A / s4[0]
+                n0 = n0 + (zgl if zgl < S else S) - kd
+                if n0 < 0.0:
+                    n0 = 0.0
+            if pattern & 2:
+                zl = d4[1] * A / s4[1]
+                n1 = n1 + (zl if zl < S else S) - kd
+                if n1 < 0.0:
+                    n1 = 0.0
+            if pattern & 12:
+                if pattern & 4:
+                    zu = d4[2] * A / s4[2]
+                    n2 = n2 + (zu if zu < S else S) - kd
+                    if n2 < 0.0:
+                        n2 = 0.0
+                    if zgl is None or zu > zgl:
+                        zgl = zu
+                if pattern & 8:
+                    zp = d4[3] * A / s4[3]
+                    n3 = n3 + (zp if zp < S else S) - kd
+                    if n3 < 0.0:
+                        n3 = 0.0
+            nj = joint
+            if zl is not None and zgl is not None:
+                m = zgl if zgl < zl else zl
+                nj = nj + (m if m < tcap else tcap) - tk
+                if nj < 0.0:
+                    nj = 0.0
+            if nj >= dh or n0 >= h or n1 >= h or n2 >= h or n3 >= h or self._force_full:
+                break  # a warning may be due: the general path decides and words it
+            # commit: both EMAs as one stacked multiply-add (see _Work)
+            if clip:
+                # clip(dev, +-wd) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
+                P1 = w.P1
+                _fmin(adev, wd, P1)
+                _copysign(P1, dev, w.P0)
+                _fmax(P1, k.min_scale, P1)
+                _multiply(w.P2, w.R2, w.P2)
+            else:
+                _fmax(adev, k.min_scale, adev)
+                _multiply(w.D2, w.R2, w.P2)
+            S2 = w.S2
+            _multiply(S2, w.M2, S2)
+            _add(S2, w.P2, S2)
+            c0, c1, c2, c3, joint = n0, n1, n2, n3, nj
+            r += 1
+        if r > r0:
+            w.cus = [c0, c1, c2, c3]
+            w.joint = joint
+            w.step = steps[r - 1]
+            w.has_dev = True
+            w.dev_nan = False
+            if w.since_warn < _BIG:
+                w.since_warn = min(w.since_warn + (r - r0), _BIG)
+            w.level = 0
+            w.score_cap = False
+        return r
 
     def _general(self, w: _Work, obs: Observation, pattern: int, g, loss, u, p, ln, lnf,
                  loss_scale) -> list[Event]:
@@ -958,6 +1070,20 @@ class StreamingDetector:
                 self._lazy = False  # a run without layer norms stays without them
             return alerts
         return self._step(self._w, obs)
+
+    def observe_columns(self, cols: StepColumns, start: int = 0, stop: int | None = None) -> list[tuple[int, Event]]:
+        """Rows ``[start, stop)`` of a logged run, in order: exactly what calling
+        ``observe(cols.observation(i))`` for each row gives (the same alerts, the same state
+        after), as ``(row, alert)`` pairs. Faster for long runs: calm rows skip the Observation
+        and their logarithms are taken a chunk of rows at a time."""
+        stop = len(cols) if stop is None else min(int(stop), len(cols))
+        start = max(0, int(start))
+        out: list[tuple[int, Event]] = []
+        while self._lazy and start < stop:  # the first rows decide the layer names
+            out.extend((start, e) for e in self.observe(cols.observation(start)))
+            start += 1
+        out.extend(self.detector._columns(self._w, cols, start, stop))
+        return out
 
     @property
     def state(self) -> DetectorState:

@@ -43,3 +43,50 @@ class Observation:
         if self.layer_norms is not None and not np.all(np.isfinite(self.layer_norms)):
             return False
         return True
+
+
+@dataclass
+class StepColumns:
+    """Many steps' signals as columns (a logged run); row ``i`` is :meth:`observation` ``(i)``.
+
+    Each signal is a float array with one value per row, plus an optional ``*_known`` bool mask
+    (``None``: known on every row). Where a value is known it is taken as it is: NaN and inf mean
+    a non-finite value, as in :class:`Observation`; where it is not known the signal is absent
+    from that row (``None`` in the Observation). ``extras`` maps a name (``update_norm``,
+    ``param_norm``, ``loss_scale``, ...) to ``(values, known)``.
+    """
+
+    step: np.ndarray
+    grad_norm: np.ndarray | None = None
+    grad_known: np.ndarray | None = None
+    loss: np.ndarray | None = None
+    loss_known: np.ndarray | None = None
+    layer_norms: np.ndarray | None = None
+    """(rows, layers)."""
+    layers_known: np.ndarray | None = None
+    layer_nonfinite: np.ndarray | None = None
+    """(rows, layers) counts or flags, or None."""
+    skipped: np.ndarray | None = None
+    extras: Mapping[str, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    @staticmethod
+    def _known(mask: np.ndarray | None, i: int) -> bool:
+        return True if mask is None else bool(mask[i])
+
+    def observation(self, i: int) -> Observation:
+        """Row ``i`` as an :class:`Observation`."""
+        kn = self._known
+        ex = {name: float(vals[i]) for name, (vals, known) in self.extras.items() if kn(known, i)}
+        return Observation(
+            step=int(self.step[i]),
+            grad_norm=float(self.grad_norm[i]) if self.grad_norm is not None and kn(self.grad_known, i) else None,
+            loss=float(self.loss[i]) if self.loss is not None and kn(self.loss_known, i) else None,
+            layer_norms=(self.layer_norms[i] if self.layer_norms is not None and kn(self.layers_known, i)
+                         else None),
+            layer_nonfinite=None if self.layer_nonfinite is None else self.layer_nonfinite[i],
+            skipped=bool(self.skipped[i]) if self.skipped is not None else False,
+            extras=ex,
+        )
