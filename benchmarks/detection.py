@@ -386,7 +386,7 @@ def bloom_and_llmc_checks(runs: list[BenchRun], cfg: DetectorConfig | None) -> l
     return out
 
 
-FRONTIER = (("drift_h", (2.0, 2.5, 3.0, 4.0, 6.0, 8.0)), ("loss_min_scale", (0.05, 0.10, 0.12)),
+FRONTIER = (("drift_h", (1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)), ("loss_min_scale", (0.05, 0.10, 0.12)),
             ("together_k", (1.0,)), ("drift_h", (float("inf"),)))
 """earlywarn's main sensitivity knobs, one at a time from the defaults (``inf``: the together rule off)."""
 
