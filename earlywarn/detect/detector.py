@@ -448,8 +448,10 @@ class Detector:
     def _columns(self, w: _Work, cols: StepColumns, start: int, stop: int) -> list[tuple[int, Event]]:
         """Rows ``[start, stop)`` of ``cols``, exactly as one :meth:`_step` per row (same state,
         same alerts), without building an Observation for the calm rows: their log-values are
-        taken for a chunk of rows at once and handed to :meth:`_calm`; every other row goes
-        through :meth:`_step`."""
+        taken for a chunk of rows at once and handed to :meth:`_calm_rows`; every other row goes
+        through :meth:`_step`. Absent signals (a run-level signal not logged on a row, no layer
+        norms on a row, a layer reporting 0) are parked on their baselines, as ``_refresh``
+        parks them for the live step."""
         n, nl = w.n, w.nl
         T = stop - start
         out: list[tuple[int, Event]] = []
@@ -477,7 +479,7 @@ class Detector:
             with np.errstate(invalid="ignore"):
                 ok &= ~kn | ((v > 0.0) & (v < math.inf))
             fixed.append((chan, v, kn))
-        lay = None
+        lay = zero = None
         if cols.layer_norms is not None and nl:
             lay = np.asarray(cols.layer_norms[start:stop], dtype=np.float64)
             if lay.ndim != 2 or lay.shape[1] != nl:
@@ -486,7 +488,10 @@ class Detector:
             lk = known(cols.layers_known)
             pat[lk] |= 16
             with np.errstate(invalid="ignore"):
-                ok &= ~lk | ((lay > 0.0) & (lay < math.inf)).all(axis=1)
+                ok &= ~lk | ((lay >= 0.0) & (lay < math.inf)).all(axis=1)
+            zero = (lay == 0.0) & lk[:, None]  # a layer reporting 0 is absent on that row (frozen)
+            if not zero.any():
+                zero = None
         if cols.skipped is not None:
             ok &= ~np.asarray(cols.skipped[start:stop], dtype=bool)
         if cols.layer_nonfinite is not None:
@@ -494,8 +499,12 @@ class Detector:
         if "loss_scale" in ex:
             ok &= ~known(ex["loss_scale"][1])  # a scaler reading may be an overflow: per step
         steps = np.asarray(cols.step[start:stop])
-        absent = [(c, (pat & bit) == 0) for bit, c in _PAT_KEYS]
-        calm_rows, step_fn, mu = self._calm_rows, self._step, w.mu
+        absent = [(c, ab) for c, ab in ((c, (pat & bit) == 0) for bit, c in _PAT_KEYS) if ab.any()]
+        no_layers = (pat & 16) == 0 if nl else None
+        if no_layers is not None and not no_layers.any():
+            no_layers = None
+        has_zero = np.zeros(T, dtype=bool) if zero is None else zero.any(axis=1)
+        calm_rows, step_fn, mu, mu_lay = self._calm_rows, self._step, w.mu, w.mu[N_FIXED:]
 
         for a in range(0, T, _CHUNK_ROWS):
             b = min(T, a + _CHUNK_ROWS)
@@ -509,32 +518,44 @@ class Detector:
                     _np_log(lay[a:b], Y[:, N_FIXED:])
 
             def park(r0: int) -> None:
-                # absent run-level channels sit on their baseline (deviation exactly 0), as in _refresh
+                # absent channels sit on their baseline (deviation exactly 0), as _refresh parks
+                # them for the live step; their baselines only move on rows that have them, which
+                # go through _step, after which the rest of the chunk is parked again
                 for c, ab in absent:
                     Y[r0:, c][ab[a + r0:b]] = mu[c]
+                if no_layers is not None:
+                    Y[r0:, N_FIXED:][no_layers[a + r0:b]] = mu_lay
+                if zero is not None:
+                    np.copyto(Y[r0:, N_FIXED:], mu_lay, where=zero[a + r0:b])
 
             park(0)
-            # runs of rows that may be calm under one pattern: run_end[r] is where r's run ends
+            # runs of rows that may be calm under one pattern and one set of zero layers:
+            # run_end[r] is where r's run ends
             m = b - a
             brk = ~okc
             brk[1:] |= pat[a + 1:b] != pat[a:b - 1]
+            if zero is not None:
+                brk[1:] |= (zero[a + 1:b] != zero[a:b - 1]).any(axis=1)
             cuts = np.append(np.flatnonzero(brk), m)
             run_end = cuts[np.searchsorted(cuts, np.arange(m), side="right")].tolist()
-            okl, patl, stepl = okc.tolist(), pat[a:b].tolist(), steps[a:b].tolist()
+            okl, patl, stepl, zl = okc.tolist(), pat[a:b].tolist(), steps[a:b].tolist(), has_zero[a:b].tolist()
             r = 0
             while r < m:
-                if okl[r] and w.fast and patl[r] == w.pattern and w.n_lay == nl:
+                # calm as _step would take it: the same signals as the last step, and layers
+                # reporting 0 exactly the ones already absent
+                if (okl[r] and w.fast and patl[r] == w.pattern
+                        and (not (patl[r] & 16) or (np.array_equal(zero[a + r], ~w.lmask) if zl[r]
+                                                    else w.n_lay == nl))):
                     e = run_end[r]
                     r = calm_rows(w, Y, r, e, patl[r], stepl)
                     if r == e:
                         continue
                 i = start + a + r
-                before = w.pattern
                 for ev in step_fn(w, cols.observation(i)):
                     out.append((i, ev))
-                if w.pattern != before:
-                    park(r + 1)
                 r += 1
+                if r < m:
+                    park(r)
         return out
 
     def _calm_rows(self, w: _Work, Y: np.ndarray, r0: int, r1: int, pattern: int, steps) -> int:
