@@ -119,3 +119,48 @@ def test_repeated_step_rows_are_merged_unless_they_disagree():
     assert merged.step.tolist() == [0, 1, 2, 2]
     run = clean(merged)
     assert [(r.step, r.previous_step) for r in run.resumes] == [(2, 2)]
+
+
+def test_replay_across_resumes_is_the_detector_of_the_kept_history():
+    # two resumes (rolled back 80 and 35 steps) with spikes and an escalation on either side:
+    # after each resume the replay's alerts are those of a detector that saw only the history the
+    # resumed run kept, i.e. as if the live detector had loaded the checkpoint of the resume step
+    from earlywarn.analyze.replay import replay
+    from earlywarn.detect import Observation, StreamingDetector
+
+    rng = np.random.default_rng(7)
+    segs = [np.arange(0, 700), np.arange(620, 900), np.arange(865, 1300)]
+    steps = np.concatenate(segs)
+    n = len(steps)
+    g = 0.3 * np.exp(rng.normal(0, 0.1, n))
+    lay = 0.1 * np.exp(rng.normal(0, 0.1, (n, 4)))
+    loss = 3.0 * np.exp(rng.normal(0, 0.01, n))
+    g[560:620] *= 1.4  # kept history just before the first resume step moves the baseline
+    for row in (300, 650, 760, 1100):  # spikes, in kept and in abandoned stretches
+        g[row] *= 6.0
+        lay[row, 2] *= 8.0
+    for k in range(4):  # an escalation in the last segment
+        g[1200 + k] *= 3.0 ** (k + 1)
+    cols = {"loss": loss, "grad_norm": g, **{f"grad_norm/l{j}": lay[:, j] for j in range(4)}}
+    run = clean(raw(steps, **cols))
+    assert [r.step for r in run.resumes] == [620, 865]
+    rep = replay(run)
+    assert [r["restored_from_step"] for r in rep.restored] == [619, 864]
+
+    def obs(i):
+        return Observation(step=int(steps[i]), grad_norm=float(g[i]), loss=float(loss[i]), layer_norms=lay[i])
+
+    starts = [0, len(segs[0]), len(segs[0]) + len(segs[1])]
+    for s, start in enumerate(starts):
+        kept = []  # rows of the history the run had when segment s started
+        for t in range(s):
+            nxt_step = int(steps[starts[t + 1]])
+            kept += [i for i in range(starts[t], starts[t + 1]) if steps[i] < nxt_step]
+        sd = StreamingDetector(layer_names=run.layer_names)
+        for i in kept:
+            sd.observe(obs(i))
+        end = starts[s + 1] if s + 1 < len(starts) else n
+        expected = [(i, e.step, e.kind, e.level, e.message) for i in range(start, end) for e in sd.observe(obs(i))]
+        got = [(i, e.step, e.kind, e.level, e.message) for i, e in zip(rep.alert_rows, rep.alerts) if start <= i < end]
+        assert got == expected, f"segment {s}"
+        assert any(e[3] >= Level.INFO for e in expected)

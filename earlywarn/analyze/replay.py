@@ -7,6 +7,7 @@ after loading the checkpoint, so the steps of the abandoned segment do not count
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from dataclasses import dataclass, field
@@ -76,7 +77,8 @@ def replay(run: CleanRun, cfg: Any = None, baseline: Mapping[str, float] | None 
 
     # with resumes: snapshots of the detector every SNAPSHOT_EVERY rows (and just before each
     # resume), so that a resume can go back to the state the run had at the resume step
-    snapshots: list[tuple[int, float, Any]] = [(-1, -math.inf, copy.deepcopy(sd.state_dict()))]  # (row, last step, state)
+    # (row, last step observed, state); the first is the fresh detector, before row 0
+    snapshots: list[tuple[int, float, Any]] = [(-1, -math.inf, copy.deepcopy(sd.state_dict()))]
     i = 0
     while i < n:
         if i in resume_at:
@@ -95,7 +97,8 @@ def replay(run: CleanRun, cfg: Any = None, baseline: Mapping[str, float] | None 
             restored.append({"step": target,
                              "restored_from_step": None if last_step == -math.inf else last_step})
             del snapshots[pick + 1:]
-        nxt = next((r for r in resume_rows if r > i), n)
+        k = bisect.bisect_right(resume_rows, i)
+        nxt = resume_rows[k] if k < len(resume_rows) else n
         end = min(nxt, i + SNAPSHOT_EVERY)
         feed(i, end)
         snapshots.append((end - 1, steps[end - 1], copy.deepcopy(sd.state_dict())))
