@@ -52,6 +52,40 @@ def test_csv_default_keys_layers_and_nonfinite_tokens(tmp_path):
     assert run.layers[1, 1] == math.inf
 
 
+_CSV_BODIES = {
+    "tokens": "step,loss,g\n1,NaN,inf\n2,nan,Infinity\n3,-inf,-Infinity\n4,1e-310,0.1\n5,+inf,+1.5\n6,INF,NAN\n",
+    "big_ints": "step,loss\n1,2\n9007199254740993,3\n",
+    "quoted": 'step,loss\n1,"2.5"\n2,3\n',
+    "spaces": "step,loss\n1, 2\n2, 3.5\n",
+    "crlf_bom": "\ufeffstep,loss\r\n1,2.5\r\n2,3\r\n",
+    "exponents": "step,loss\n1,1e5\n2,-2.5E-3\n3,0.1\n",
+    "tsv": "step\tloss\n1\t2.5\n2\tnan\n",
+    "blank": "step,loss\n1,\n2,3\n",
+    "text": "step,loss\n1,abc\n",
+    "ragged": "step,loss\n1,2,3\n2,3\n",
+    "cut_mid_write": "step,loss\n1,2\n2\n",
+    "text_after_the_first_block": "step,loss\n" + "".join(f"{i},{i * 0.37:.7g}\n" for i in range(150_000)) + "9,abc\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CSV_BODIES))
+def test_numeric_csv_fast_path_pyarrow_and_numpy_agree(tmp_path, name):
+    # the pyarrow reader (when installed) must give numpy's numbers, and refuse what numpy refuses
+    pytest.importorskip("pyarrow")
+    from earlywarn.analyze.readers import numeric_csv_columns
+
+    path = tmp_path / (name + (".tsv" if name == "tsv" else ".csv"))
+    path.write_text(_CSV_BODIES[name], encoding="utf-8", newline="")
+    delim = "\t" if name == "tsv" else ","
+    fast, slow = numeric_csv_columns(str(path), delim, arrow=True), numeric_csv_columns(str(path), delim, arrow=False)
+    assert (fast is None) == (slow is None)
+    if slow is not None:
+        assert fast.shape == slow.shape and fast.flags.c_contiguous
+        np.testing.assert_array_equal(fast, slow)
+    else:
+        assert name in {"blank", "text", "ragged", "cut_mid_write", "text_after_the_first_block"}
+
+
 def test_csv_key_map_and_aliases(tmp_path):
     p = tmp_path / "run.csv"
     p.write_text("iteration,train/loss,gnorm,lossy\n10,2.0,0.3,9\n20,2.1,0.31,9\n")
