@@ -164,3 +164,27 @@ def test_replay_across_resumes_is_the_detector_of_the_kept_history():
         got = [(i, e.step, e.kind, e.level, e.message) for i, e in zip(rep.alert_rows, rep.alerts) if start <= i < end]
         assert got == expected, f"segment {s}"
         assert any(e[3] >= Level.INFO for e in expected)
+
+
+def test_incident_screen_is_the_window_minimum_and_never_above_the_median():
+    # find_incidents skips a chunk when no loss there jumps over this floor; the floor must be
+    # a true lower bound of the median reference, or a collapse could be skipped
+    from earlywarn.analyze import report as R
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 300))
+        loss = np.exp(rng.normal(1, 0.3, n))
+        loss[rng.random(n) < 0.05] = np.nan
+        admit = (rng.random(n) > 0.2) & np.isfinite(loss)
+        prior = None if trial % 2 else 2.0
+        for a, b in ((0, n), (n // 3, n), (n - 1, n)):
+            floor = R._refs(loss, admit, a, b, prior, floor=True)
+            median = R._refs(loss, admit, a, b, prior)
+            vals = loss[np.flatnonzero(admit[:b])]
+            ks = np.searchsorted(np.flatnonzero(admit[:b]), np.arange(a, b))
+            expected = [(np.nan if prior is None else prior) if k < 3 else vals[max(0, k - R.LOSS_WINDOW):k].min()
+                         for k in ks]
+            np.testing.assert_array_equal(floor, expected)
+            both = np.isfinite(median)
+            assert (floor[both] <= median[both]).all()

@@ -228,8 +228,8 @@ def clean(raw: RawRun, key_map: Mapping[str, str] | None = None) -> CleanRun:
     layers = None
     layers_known = np.zeros(n, dtype=bool)
     if layer_keys:
-        # (rows, layers) as the transpose of one contiguous block per layer: a copy per column
-        # instead of column_stack's strided writes (~4x faster for 150k x 50)
+        # (rows, layers) as the transpose of one contiguous row per layer: a plain copy per
+        # column instead of column_stack's strided writes
         mat = np.array([raw.columns[k] for k in layer_keys], dtype=np.float64).T
         if any(raw.missing[k].any() for k in layer_keys):
             known_m = ~np.column_stack([raw.missing[k] for k in layer_keys])

@@ -220,9 +220,13 @@ class Report:
 # --------------------------------------------------------------------------------------------
 
 
-def _refs(loss: np.ndarray, admit: np.ndarray, a: int, b: int, prior: float | None) -> np.ndarray:
+def _refs(loss: np.ndarray, admit: np.ndarray, a: int, b: int, prior: float | None,
+          floor: bool = False) -> np.ndarray:
     """Reference loss for rows [a, b): median of the last ``LOSS_WINDOW`` admitted losses before
-    each row (``prior`` while fewer than 3 are known; NaN without a prior)."""
+    each row (``prior`` while fewer than 3 are known; NaN without a prior). ``floor=True`` takes
+    the minimum of the same window instead: a lower bound of the median, so a row whose loss is
+    not a jump over it is not a jump over the median, and the costlier medians are taken only for
+    the chunks that have a candidate."""
     idx = np.flatnonzero(admit[:b])
     vals = loss[idx]
     ks = np.searchsorted(idx, np.arange(a, b))  # admitted rows before each row
@@ -230,39 +234,20 @@ def _refs(loss: np.ndarray, admit: np.ndarray, a: int, b: int, prior: float | No
     if ks.size == 0 or ks[-1] < 3:
         return out
     k_lo, k_hi = int(ks[0]), int(ks[-1])
-    med = np.full(k_hi + 1, np.nan)
-    for k in range(max(3, k_lo), min(LOSS_WINDOW, k_hi + 1)):
-        med[k] = np.median(vals[:k])
+    ref = np.full(k_hi + 1, np.nan)
+    short = range(max(3, k_lo), min(LOSS_WINDOW, k_hi + 1))  # fewer than LOSS_WINDOW values yet
+    if short:
+        if floor:
+            ref[short.start:short.stop] = np.minimum.accumulate(vals[:short.stop - 1])[short.start - 1:]
+        else:
+            for k in short:
+                ref[k] = np.median(vals[:k])
     lo = max(LOSS_WINDOW, k_lo)
     if k_hi >= lo:
         win = np.lib.stride_tricks.sliding_window_view(vals[lo - LOSS_WINDOW:k_hi], LOSS_WINDOW)
-        med[lo:k_hi + 1] = np.median(win, axis=1)
+        ref[lo:k_hi + 1] = win.min(axis=1) if floor else np.median(win, axis=1)
     ok = ks >= 3
-    out[ok] = med[ks[ok]]
-    return out
-
-
-def _ref_floor(loss: np.ndarray, admit: np.ndarray, a: int, b: int, prior: float | None) -> np.ndarray:
-    """A lower bound of :func:`_refs` for rows [a, b): the minimum instead of the median of the
-    same window. A row whose loss is not a jump over this bound is not a jump over the median,
-    so the (costlier) medians are taken only for the chunks that have a candidate."""
-    idx = np.flatnonzero(admit[:b])
-    vals = loss[idx]
-    ks = np.searchsorted(idx, np.arange(a, b))
-    out = np.full(b - a, np.nan if prior is None else prior)
-    ok = ks >= 3
-    if not ok.any():
-        return out
-    k_lo, k_hi = int(ks[ok][0]), int(ks[-1])
-    low = np.full(k_hi + 1, np.nan)
-    if k_lo < LOSS_WINDOW:
-        pre = np.minimum.accumulate(vals[:min(LOSS_WINDOW, k_hi + 1)])
-        low[k_lo:min(LOSS_WINDOW, k_hi + 1)] = pre[k_lo - 1:min(LOSS_WINDOW, k_hi + 1) - 1]
-    lo = max(LOSS_WINDOW, k_lo)
-    if k_hi >= lo:
-        win = np.lib.stride_tricks.sliding_window_view(vals[lo - LOSS_WINDOW:k_hi], LOSS_WINDOW)
-        low[lo:k_hi + 1] = win.min(axis=1)
-    out[ok] = low[ks[ok]]
+    out[ok] = ref[ks[ok]]
     return out
 
 
@@ -297,7 +282,7 @@ def find_incidents(run: CleanRun, rep: Replay, baseline: Mapping[str, float] | N
     while a < n:
         b = min(n, a + CHUNK)
         x = loss[a:b]
-        floor = _ref_floor(loss, admit, a, b, prior)
+        floor = _refs(loss, admit, a, b, prior, floor=True)
         with np.errstate(invalid="ignore"):
             maybe = nonfinite[a:b] | (finite[a:b] & (x >= floor * COLLAPSE_RATIO) & (x - floor >= COLLAPSE_MIN_RISE))
         if not maybe.any():
