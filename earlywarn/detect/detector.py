@@ -713,7 +713,7 @@ class Detector:
         zf = [float(v) for v in z[:N_FIXED]]
         pwf = [bool(v) for v in pw[:N_FIXED]]
 
-        # -- baseline update: admitted values only, winsorised (same arithmetic as _calm) ----
+        # -- baseline update: admitted values only, winsorised (same arithmetic as _calm_rows) ----
         if not skipped:
             adm = present & ~elev  # spikes never enter; the rest enters winsorised
             P2 = np.empty((2, n))
