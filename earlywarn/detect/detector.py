@@ -498,7 +498,7 @@ class Detector:
             ok &= ~(np.asarray(cols.layer_nonfinite[start:stop]) != 0).any(axis=1)
         if "loss_scale" in ex:
             ok &= ~known(ex["loss_scale"][1])  # a scaler reading may be an overflow: per step
-        steps = np.asarray(cols.step[start:stop])
+        steps = np.asarray(cols.step[start:stop]).astype(np.int64, copy=False)  # as observation() gives it
         absent = [(c, ab) for c, ab in ((c, (pat & bit) == 0) for bit, c in _PAT_KEYS) if ab.any()]
         no_layers = (pat & 16) == 0 if nl else None
         if no_layers is not None and not no_layers.any():
