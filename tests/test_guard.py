@@ -377,3 +377,15 @@ def test_resume_from_disk_restores_the_watchers_counters_and_never_lowers_its_st
     assert ew2.counters["skipped_steps"] == 1
     assert ew2.step >= saved_step > 0
     ew2.close()
+
+
+def test_prepared_gpu_check_runs_in_its_cpu_smoke_mode():
+    # benchmarks/gpu_check.py is run once when a GPU is lent; keep it working in between
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "weight unchanged by that step: True" in out.stdout and out.stdout.rstrip().endswith("OK")
