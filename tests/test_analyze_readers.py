@@ -60,30 +60,54 @@ _CSV_BODIES = {
     "crlf_bom": "\ufeffstep,loss\r\n1,2.5\r\n2,3\r\n",
     "exponents": "step,loss\n1,1e5\n2,-2.5E-3\n3,0.1\n",
     "tsv": "step\tloss\n1\t2.5\n2\tnan\n",
-    "blank": "step,loss\n1,\n2,3\n",
-    "text": "step,loss\n1,abc\n",
+    "blanks": "step,loss,grad_norm\n1,2.5,\n2,,0.3\n3,2.4,0.31\n,,\n4,2.3,null\n5,None,NA\n6,2.2,n/a\n",
+    "blank_column": "step,loss,grad_norm\n1,2.5,\n2,2.4,\n",
+    "blank_step": "step,loss\n1,2.5\n,2.4\n3,2.3\n",
+    "text": "step,loss\n1,abc\n2,3\n3,4\n",
+    "text_column": "step,loss,note\n1,2,warmup\n2,3,ok\n",
     "ragged": "step,loss\n1,2,3\n2,3\n",
-    "cut_mid_write": "step,loss\n1,2\n2\n",
+    "cut_mid_write": "step,loss\n1,2\n2,3\n3\n",
     "text_after_the_first_block": "step,loss\n" + "".join(f"{i},{i * 0.37:.7g}\n" for i in range(150_000)) + "9,abc\n",
 }
 
 
 @pytest.mark.parametrize("name", sorted(_CSV_BODIES))
-def test_numeric_csv_fast_path_pyarrow_and_numpy_agree(tmp_path, name):
-    # the pyarrow reader (when installed) must give numpy's numbers, and refuse what numpy refuses
+def test_csv_fast_readers_agree_with_the_careful_reader(tmp_path, monkeypatch, name):
+    # pyarrow (when installed) and numpy read what they accept exactly as the careful reader
+    # would (numbers, missing cells, dropped rows, notes), and leave the rest to it
     pytest.importorskip("pyarrow")
-    from earlywarn.analyze.readers import numeric_csv_columns
+    from earlywarn.analyze import readers
 
     path = tmp_path / (name + (".tsv" if name == "tsv" else ".csv"))
     path.write_text(_CSV_BODIES[name], encoding="utf-8", newline="")
+    fast = readers.numeric_csv_columns
+
+    def read(how):
+        if how == "careful":
+            monkeypatch.setattr(readers, "numeric_csv_columns", lambda *a, **k: None)
+        else:
+            monkeypatch.setattr(readers, "numeric_csv_columns", lambda p, d: fast(p, d, arrow=how == "pyarrow"))
+        try:
+            return read_source(str(path))
+        except AnalyzeError as e:
+            return str(e)
+
+    runs = {how: read(how) for how in ("careful", "numpy", "pyarrow")}
+    if isinstance(runs["careful"], str):  # a bad file: the same one-line error whoever reads it
+        assert runs["numpy"] == runs["pyarrow"] == runs["careful"]
+        return
+    for how in ("numpy", "pyarrow"):
+        for a, b in zip(runs[how], runs["careful"], strict=True):
+            np.testing.assert_array_equal(a.step, b.step)
+            assert a.columns.keys() == b.columns.keys() and a.notes == b.notes
+            for k in a.columns:
+                np.testing.assert_array_equal(a.columns[k], b.columns[k])
+                np.testing.assert_array_equal(a.missing[k], b.missing[k])
     delim = "\t" if name == "tsv" else ","
-    fast, slow = numeric_csv_columns(str(path), delim, arrow=True), numeric_csv_columns(str(path), delim, arrow=False)
-    assert (fast is None) == (slow is None)
-    if slow is not None:
-        assert fast.shape == slow.shape and fast.flags.c_contiguous
-        np.testing.assert_array_equal(fast, slow)
-    else:
-        assert name in {"blank", "text", "ragged", "cut_mid_write", "text_after_the_first_block"}
+    took = {how: fast(str(path), delim, arrow=how == "pyarrow") is not None for how in ("numpy", "pyarrow")}
+    numbers_only = name not in {"blanks", "blank_column", "blank_step", "text", "text_column", "ragged",
+                                "cut_mid_write", "text_after_the_first_block"}
+    assert took == {"numpy": numbers_only, "pyarrow": numbers_only or name.startswith("blank")}
 
 
 def test_csv_key_map_and_aliases(tmp_path):

@@ -271,14 +271,22 @@ def _split_by_run(source: str, fmt: str, step: np.ndarray, cols: dict, miss: dic
     return runs
 
 
-def numeric_csv_columns(path: str, delim: str, arrow: bool = True) -> np.ndarray | None:
+# the spellings of "not logged" the careful reader accepts (it strips and lower-cases a cell),
+# written out for pyarrow, which matches null values exactly
+_ARROW_NULLS = sorted({v for t in _NULL_TOKENS for v in (t, t.upper(), t.capitalize(), t.title())})
+
+
+def numeric_csv_columns(path: str, delim: str, arrow: bool = True) -> tuple[np.ndarray, np.ndarray | None] | None:
     """The body of a CSV whose every cell is a number (``nan``, ``inf``, ``Infinity`` included)
-    as a ``(columns, rows)`` float64 array, one contiguous row per column; None when some cell is
-    not (a blank, a text cell, a ragged row: the careful path decides what those mean).
+    or, with pyarrow, blank / a null token: ``(values, missing)`` with ``values`` a
+    ``(columns, rows)`` float64 array, one contiguous row per column, and ``missing`` a bool array
+    of the same shape (None: nothing missing). None when some cell is neither (a text cell, a
+    ragged row, a padded cell: the careful path decides what those mean).
 
     With pyarrow installed (it comes with mlflow) its multi-threaded reader parses the file (~3x
-    faster than numpy on a 150k x 53 log); otherwise, or if it refuses the file, numpy's C parser
-    does. Both give the same numbers (correctly rounded; tested)."""
+    faster than numpy on a 150k x 53 log, and ~40x faster than the careful path when a column has
+    blanks); otherwise, or if it refuses the file, numpy's C parser does (numbers only). They
+    give the same numbers and the same missing cells as the careful path (tested)."""
     if arrow:
         try:
             import pyarrow as pa
@@ -291,18 +299,28 @@ def numeric_csv_columns(path: str, delim: str, arrow: bool = True) -> np.ndarray
                     path,
                     read_options=pacsv.ReadOptions(skip_rows=1, autogenerate_column_names=True),
                     parse_options=pacsv.ParseOptions(delimiter=delim, quote_char='"'),
-                    # no cell means "missing" here: a blank makes the column text, i.e. not this path
-                    convert_options=pacsv.ConvertOptions(null_values=[], strings_can_be_null=False,
+                    convert_options=pacsv.ConvertOptions(null_values=_ARROW_NULLS, strings_can_be_null=False,
                                                          quoted_strings_can_be_null=False))
             except (pa.ArrowException, OSError, ValueError):
                 table = None  # numpy decides (an empty body, a ragged row, ...)
             # a column it did not read as numbers (" 2" with a blank, text, ...): numpy decides
             if (table is not None and table.num_rows
-                    and all(pa.types.is_floating(t) or pa.types.is_integer(t) for t in table.schema.types)):
+                    and all(pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_null(t)
+                            for t in table.schema.types)):
                 out = np.empty((table.num_columns, table.num_rows))
+                missing = None
                 for j, column in enumerate(table.columns):
-                    out[j] = column.to_numpy()
-                return out
+                    if column.null_count:
+                        if missing is None:
+                            missing = np.zeros(out.shape, dtype=bool)
+                        missing[j] = column.is_null().to_numpy(zero_copy_only=False)
+                    # ints past 2**53 round as a float parse of their digits does; nulls -> NaN
+                    out[j] = column.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+                if missing is not None:
+                    keep = ~missing.all(axis=0)  # a line of blanks only is no row (as the careful path)
+                    if not keep.all():
+                        out, missing = np.ascontiguousarray(out[:, keep]), np.ascontiguousarray(missing[:, keep])
+                return out, missing
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -310,7 +328,7 @@ def numeric_csv_columns(path: str, delim: str, arrow: bool = True) -> np.ndarray
                               quotechar='"', comments=None, encoding="utf-8-sig")
     except ValueError:  # a blank or text cell, a ragged row, undecodable bytes: the careful path
         return None
-    return np.ascontiguousarray(data.T)
+    return np.ascontiguousarray(data.T), None
 
 
 def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun]:
@@ -337,9 +355,11 @@ def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
 
     data = None
     if run_key is None:
-        data = numeric_csv_columns(path, delim)
-        if data is not None and data.shape[1] == 0:
-            raise AnalyzeError(f"{path}: no rows after the header (empty run)")
+        parsed = numeric_csv_columns(path, delim)
+        if parsed is not None:
+            data, missing_cells = parsed
+            if data.shape[1] == 0:
+                raise AnalyzeError(f"{path}: no rows after the header (empty run)")
     text = None
     if data is None:
         try:
@@ -357,7 +377,7 @@ def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
         no_missing = np.zeros(data.shape[1], dtype=bool)
         for j, name in enumerate(header):
             cols[name] = data[j]
-            miss[name] = no_missing
+            miss[name] = no_missing if missing_cells is None else missing_cells[j]
     else:
         rows = list(csv.reader(io.StringIO(text), delimiter=delim))[1:]
         rows = [r for r in rows if r and any(c.strip() for c in r)]
