@@ -284,7 +284,7 @@ def numeric_csv_columns(path: str, delim: str, arrow: bool = True) -> tuple[np.n
     ragged row, a padded cell: the careful path decides what those mean).
 
     With pyarrow installed (it comes with mlflow) its multi-threaded reader parses the file (~3x
-    faster than numpy on a 150k x 53 log, and ~40x faster than the careful path when a column has
+    faster than numpy on a 150k x 53 log, and ~30x faster than the careful path when a column has
     blanks); otherwise, or if it refuses the file, numpy's C parser does (numbers only). They
     give the same numbers and the same missing cells as the careful path (tested)."""
     if arrow:
