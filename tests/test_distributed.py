@@ -25,21 +25,12 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fixtures_models import MLP
+
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
 ROWS = 8  # per rank; the single-process reference sees all WORLD * ROWS rows
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +118,15 @@ def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tens
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    """Plain training steps on this rank's share of the global batches."""
+    for step in steps:
+        opt.zero_grad()
+        x, y = local_batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
 
 
 def fsdp_mlp() -> nn.Module:
@@ -393,11 +393,7 @@ def scenario_dcp(rank: int, tmp: Path) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def train(steps: range) -> None:
-        for step in steps:
-            opt.zero_grad()
-            x, y = local_batch(step, rank)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        train_steps(model, opt, rank, steps)
 
     train(range(2))
     saved = local_state(model, opt)
@@ -522,11 +518,7 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def train(steps: range) -> None:
-        for step in steps:
-            opt.zero_grad()
-            x, y = local_batch(step, rank)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        train_steps(model, opt, rank, steps)
 
     save_fn, load_fn = dcp_checkpoint_fns(model, opt)
     manager = CheckpointManager(tmp / "manager", keep=1, save_fn=save_fn, load_fn=load_fn)

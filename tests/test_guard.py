@@ -12,19 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import earlywarn
 from earlywarn.events import Kind
+from fixtures_models import MLP
 
 torch.set_num_threads(1)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
 
 
 OPTIMIZERS = {

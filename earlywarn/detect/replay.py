@@ -9,7 +9,7 @@ import numpy as np
 
 from earlywarn.detect.config import DetectorConfig
 from earlywarn.detect.detector import StreamingDetector
-from earlywarn.detect.observation import Observation
+from earlywarn.detect.observation import Observation, StepColumns
 from earlywarn.events import Event, Level
 
 if TYPE_CHECKING:  # policy is pure too, but detect must not need it to import
@@ -50,23 +50,17 @@ def observations_from_arrays(
     Values are passed through as they are: a NaN in ``grad_norm`` or ``loss`` is a non-finite
     value, not a missing one (a reader that knows a value was not logged should drop the row or
     build the Observation with ``None``). A NaN in an ``extras`` column means "not logged"."""
-    n = len(steps)
-    for i in range(n):
-        ex = {}
-        if extras:
-            for k, col in extras.items():
-                v = float(col[i])
-                if v == v:  # NaN in an extras column means "not logged"
-                    ex[k] = v
-        yield Observation(
-            step=int(steps[i]),
-            grad_norm=None if grad_norm is None else float(grad_norm[i]),
-            loss=None if loss is None else float(loss[i]),
-            layer_norms=None if layer_norms is None else layer_norms[i],
-            layer_nonfinite=None if layer_nonfinite is None else layer_nonfinite[i],
-            skipped=bool(skipped[i]) if skipped is not None else False,
-            extras=ex,
-        )
+    ex = {}
+    for k, col in (extras or {}).items():
+        col = np.asarray(col, dtype=np.float64)
+        ex[k] = (col, col == col)  # NaN in an extras column means "not logged"
+    cols = StepColumns(
+        step=np.asarray(steps), grad_norm=None if grad_norm is None else np.asarray(grad_norm, dtype=np.float64),
+        loss=None if loss is None else np.asarray(loss, dtype=np.float64), layer_norms=layer_norms,
+        layer_nonfinite=layer_nonfinite, skipped=None if skipped is None else np.asarray(skipped, dtype=bool),
+        extras=ex)
+    for i in range(len(cols)):
+        yield cols.observation(i)
 
 
 def replay(
