@@ -159,8 +159,11 @@ class Watcher:
         }
         self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
         self._loss: torch.Tensor | None = None
-        self._last_alert_step: int | None = None
-        self._incident_start: tuple[int, Any] | None = None  # (step, batch) of the first alert of an episode
+        self._alert_tick: int | None = None  # policy tick of the latest alert, any level
+        self._incident_tick: int | None = None  # ... of the latest warning-or-worse one (an incident)
+        self._incident_onset: int | None = None  # first abnormal step of the incident in progress
+        self._rewind_callbacks: list[Callable[[Any], None]] = []
+        self._input_hook: Any = None
         self._scaler_observed: tuple[bool] | None = None
         self._deferring = False
         self._recorded: PendingStep | None = None
@@ -188,7 +191,7 @@ class Watcher:
         # Install: the instance attribute shadows the class's step; detach() removes it again.
         self._had_step_attr = "step" in optimizer.__dict__
         self._prev_step = optimizer.__dict__.get("step")
-        self._orig_step = optimizer.step
+        self._orig_step = self.recovery.wrap_step(optimizer.step)  # a recurrence may lower the LR around it
         optimizer.step = self._guarded_step  # type: ignore[method-assign]
         optimizer._earlywarn_watcher = self  # type: ignore[attr-defined]
         if self.scaler is not None:
@@ -200,6 +203,10 @@ class Watcher:
         try:
             specs = config.sinks if config.sinks is not None else default_sink_specs()
             self.sinks = build_sinks(specs, config.sink_options, rank=self.rank)
+            self.recovery.report_plan(self._step)  # the snapshot cadence and host-RAM budget, once
+            if not self.recovery.data.restorable and self.recovery.config.fingerprint_inputs:
+                # no loader names the batches: fingerprint the model's inputs (on the device, no sync)
+                self._input_hook = model.register_forward_pre_hook(_input_fingerprint(self), with_kwargs=True)
             # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
             if optimizer.state:
                 report = self.recovery.repair(self._step)
@@ -212,8 +219,40 @@ class Watcher:
     # ------------------------------------------------------------------ public API
     @property
     def step(self) -> int:
-        """Optimizer steps seen so far (skipped ones included; never decreases)."""
+        """The step the next ``optimizer.step()`` is: steps taken on the current trajectory,
+        skipped ones included. A rewind sets it back to the restored snapshot's step + 1, so a
+        loop that computes its schedule from it follows the model (nanoGPT:
+        ``iter_num = ew.step`` at the top of the loop)."""
         return self._step
+
+    def on_rewind(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Call ``callback(report)`` after every rewind (an :class:`earlywarn.recover.RewindReport`:
+        ``report.resume_step`` is the step training continues at, ``report.lost_steps`` ...), so
+        loop-owned state can follow: ``ew.on_rewind(lambda r: sched.resync(r.resume_step))``.
+        It runs inside ``optimizer.step()``; returns ``callback`` (usable as a decorator)."""
+        if not callable(callback):
+            raise TypeError(f"on_rewind takes a callable, got {type(callback).__name__}")
+        self._rewind_callbacks.append(callback)
+        return callback
+
+    def report_batch(self, batch: Any) -> None:
+        """Tell earlywarn this step's batch (a tensor, or tuples / lists / dicts of them; call
+        once per micro-batch). Only a fingerprint is kept, computed on the device with no host
+        sync; skipped and quarantined batches are named by it when no loader can name them.
+        The first call replaces the automatic fingerprint of the model's inputs."""
+        fps = self.recovery.fingerprints
+        if not fps.explicit:
+            fps.use_explicit()
+            if self._input_hook is not None:
+                self._input_hook.remove()
+                self._input_hook = None
+        fps.observe(batch)
+
+    @property
+    def lr_factor(self) -> float:
+        """The factor earlywarn applies to the learning rate around each optimizer step now
+        (1.0 unless a recurrence lowered it, ``RecoveryConfig(on_recurrence="lower_lr")``)."""
+        return self.recovery.lr_factor
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Tell earlywarn this step's loss. A tensor is kept on the device (no host sync) and read
@@ -259,6 +298,9 @@ class Watcher:
             for h in self._order_hooks:
                 h.remove()
             self._order_hooks = []
+            if self._input_hook is not None:
+                self._input_hook.remove()
+                self._input_hook = None
             opt = self.optimizer
             if opt.__dict__.get("step") == self._guarded_step:
                 if self._had_step_attr:
@@ -339,6 +381,7 @@ class Watcher:
         self._settle_backward_order()
         vec, reported = self._device_vector(inv_scale)
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
+        self.recovery.fingerprints.bind(self._step)  # what the forward passes since the last step saw
         self._step += 1
         return vec, tag
 
@@ -474,16 +517,37 @@ class Watcher:
     def _decide(self, host: np.ndarray, tag: _Tag) -> "_Decision":
         obs = self._observation(host, tag)
         alerts = self.detector.observe(obs)
-        actions = set(self.policy.decide(tag.step, alerts))
         nonfinite = not obs.grad_finite
+        loss_bad = obs.loss is not None and not math.isfinite(obs.loss)
+        scan = None
+        if loss_bad or (nonfinite and self.scaler is None):
+            # Rare path: was anything written? Finite parameters and optimizer state mean the bad
+            # step was never applied: one bad batch, skipped, not a reason to rewind.
+            scan = self.recovery.scan()
+        state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
+        # ...unless an incident is in progress (a divergence, a warning): then finite is not fine
+        window = self.recovery.config.clean_window
+        if self._incident_tick is not None and self.policy.tick + 1 - self._incident_tick <= window:
+            state_finite = None if state_finite else state_finite
+        actions = set(self.policy.decide(tag.step, alerts, state_finite=state_finite))
         decision = _Decision(obs=obs, alerts=alerts, actions=actions,
-                             skip=nonfinite or Action.SKIP in actions,
-                             rewind=Action.REWIND in actions, nonfinite=nonfinite)
+                             skip=nonfinite or loss_bad or Action.SKIP in actions,
+                             rewind=Action.REWIND in actions, nonfinite=nonfinite, loss_bad=loss_bad, scan=scan,
+                             bad_batch=bool(state_finite))
         for alert in alerts:
             self._emit(alert)
+        for note in self.policy.suppressed:  # an action a critical alert asked for, not taken: say why
+            self._emit(Event(step=tag.step, kind=Kind.REWIND, level=Level.WARNING, signal="policy",
+                             message=f"{note}: not rewinding; "
+                                     + ("the step is skipped" if decision.skip else "the step is applied as usual"),
+                             values={"rewound": 0.0}, batch=_batch_index(tag.batch)))
         if Action.HALT in actions:
-            self._halt(tag, f"policy halted the run at step {tag.step} after {self.counters['rewinds']} rewinds")
-        if Action.CHECKPOINT in actions:
+            why = (self.recovery.recurrence(tag.step, _reason(decision)) or self.recovery.lr_trend(tag.step)).rstrip(".")
+            self._halt(tag, f"policy halted the run at step {tag.step}: {self.policy.halt_reason or 'configured'}; "
+                            f"rewinds so far: {self.recovery.describe_rewinds()}. {why}. "
+                            "The instability keeps coming back: lower the learning rate or inspect the quarantined "
+                            f"batches in {self.recovery.quarantine_path}, then resume from the last clean checkpoint.")
+        if Action.CHECKPOINT in actions and Action.REWIND not in actions:
             # Before this step's update is applied: the run is still clean now.
             path = self.recovery.checkpoint(tag.step, reason="warning")
             if path:
@@ -497,19 +561,40 @@ class Watcher:
         if decision.skip:
             self.counters["skipped_steps"] += 1
             self._emit_skip(tag, decision)
+            if decision.bad_batch:
+                # one bad batch (the state was verified finite, no incident in progress): buffers
+                # its forward poisoned (BatchNorm statistics) are copied back; it is never trained
+                scan = decision.scan
+                if scan is not None and scan.buffers:
+                    if self.recovery.repair(tag.step, scan=scan, incident=False).repaired:
+                        self.counters["repaired_steps"] += 1
+                what = "non-finite loss" if decision.loss_bad else "non-finite gradient"
+                self.recovery.quarantine_batch(
+                    tag.step, f"{what}: bad batch",
+                    note=" (parameters and optimizer state finite: the step was skipped before anything was "
+                         "written, nothing rewound)")
         if decision.nonfinite:
             self.counters["nonfinite_steps"] += 1
+        window = self.recovery.config.clean_window
+        tick = self.policy.tick
         if decision.alerts:
-            self._last_alert_step = tag.step
-            # An episode starts at its first warning-or-worse alert (info spikes do not count).
-            if self._incident_start is None and any(a.level >= Level.WARNING for a in decision.alerts):
-                self._incident_start = (tag.step, tag.batch)
-        clean = self._last_alert_step is None or tag.step - self._last_alert_step > self.recovery.config.clean_window
+            self._alert_tick = tick
+            # An incident is a warning-or-worse alert; info spikes that recovered and a non-finite
+            # step that was skipped (nothing written) are not: the state stays clean.
+            serious = [a for a in decision.alerts if a.level >= Level.WARNING and a.kind not in _SKIPPED_KINDS]
+            if serious:
+                self._incident_tick = tick
+                onset = _onset(tag.step, serious)
+                self._incident_onset = onset if self._incident_onset is None else min(self._incident_onset, onset)
+        clean = self._incident_tick is None or tick - self._incident_tick > window
         if clean:
-            self._incident_start = None
+            self._incident_onset = None
+        # an episode may be building: alerts of any level lately, or a gradient elevated now
+        building = self._alert_tick is not None and tick - self._alert_tick <= window
+        building = building or self.detector.score >= self.detector.cfg.spike_z
         self.counters["steps"] = self._step
         self._log_metrics(tag.step, obs)
-        self.recovery.after_step(tag.step, clean=clean and not decision.skip)
+        self.recovery.after_step(tag.step, clean=clean and not decision.skip, building=building)
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
         """Async mode: a step's vector arrived a step late; the device already skipped if needed."""
@@ -521,28 +606,44 @@ class Watcher:
 
     def _run_rewind_or_repair(self, tag: _Tag, decision: "_Decision") -> None:
         # Poisoned optimizer state with finite params: repair in place and keep the progress.
-        # Anything else (params non-finite, a divergence): rewind to the last clean state.
-        self.counters["nonfinite_steps"] += int(decision.nonfinite)
-        scan = self.recovery.scan()
-        if scan.state_poisoned and not scan.params_poisoned and decision.nonfinite:
+        # Anything else (params non-finite, a divergence, a non-finite streak): rewind to the
+        # newest clean snapshot taken before the incident began.
+        scan = decision.scan if decision.scan is not None else self.recovery.scan()
+        triggers = set(self.policy.rewind_triggers)
+        lone = not triggers & {"nonfinite_streak", str(Kind.LOSS_DIVERGED), str(Kind.COLLAPSE_RISK)}
+        if scan.state_poisoned and not scan.params_poisoned and (decision.nonfinite or decision.loss_bad) and lone:
             self.recovery.repair(tag.step, scan=scan)
+            self.policy.withdraw_rewind()
             self.counters["repaired_steps"] += 1
-            self.counters["skipped_steps"] += 1
-            self._emit_skip(tag, decision)
-        else:
-            try:
-                self.recovery.rewind(tag.step, reason=_reason(decision), blame=self._blame(tag, decision, scan))
-            except Halt as exc:
-                self._halt(tag, str(exc), cause=exc)
-            self.counters["rewinds"] += 1
+            decision.skip, decision.bad_batch = True, False  # repaired: not a bad batch to quarantine
+            self._after_step(tag, decision)
+            return
+        self.counters["nonfinite_steps"] += int(decision.nonfinite)
+        onset = _onset(tag.step, [a for a in decision.alerts if a.level >= Level.WARNING])
+        if "nonfinite_streak" in triggers:
+            onset = min(onset, tag.step - self.policy.rewind_streak + 1)
+        if self._incident_onset is not None:
+            onset = min(onset, self._incident_onset)
+        try:
+            report = self.recovery.rewind(tag.step, reason=_reason(decision), onset=max(0, onset),
+                                          blame=self._blame(tag, decision, scan, max(0, onset)))
+        except Halt as exc:
+            self._halt(tag, str(exc), cause=exc)
+        self.counters["rewinds"] += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self._reader.drain()  # async: the step in flight belongs to the abandoned trajectory
+        self._step = report.resume_step  # the loop's schedule can follow (ew.step)
         self.counters["steps"] = self._step
+        self._incident_onset = None
         self._log_metrics(tag.step, decision.obs)
+        for callback in self._rewind_callbacks:
+            callback(report)
 
-    def _blame(self, tag: _Tag, decision: "_Decision", scan: Any) -> Any:
-        """Who is responsible: the step where the episode's first warning fired; else, when the
-        symptom is a non-finite loss or poisoned parameters, the last step that was applied
-        (its update wrote the damage); else this step's own batch."""
+    def _blame(self, tag: _Tag, decision: "_Decision", scan: Any, onset: int) -> Any:
+        """Who is responsible: when the symptom is a non-finite loss or poisoned parameters,
+        the last step that was applied (its update wrote the damage); else the step where the
+        incident began (a divergence may be a hyperparameter's fault: "the episode began with");
+        else this step's own batch."""
         kinds = {a.kind for a in decision.alerts}
         # Poisoned state names its own origin; otherwise the layer whose gradient moved first.
         layer = scan.first_layer or next((a.layer for a in decision.alerts if a.layer), None)
@@ -554,19 +655,20 @@ class Watcher:
             symptom = "gradients turned non-finite"
         else:
             symptom = "the incident"
-        if self._incident_start is not None and self._incident_start[0] < tag.step:
-            responsible = self._incident_start[0]
-        elif scan.params_poisoned or Kind.LOSS_NONFINITE in kinds:
+        role = "the batch responsible"
+        if scan.params_poisoned or Kind.LOSS_NONFINITE in kinds:
             responsible = max(tag.step - 1, 0)
+        elif onset < tag.step:
+            responsible, role = onset, "the episode began with"
         else:
             responsible = tag.step
-        return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step)
+        return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step, role=role)
 
     def _halt(self, tag: _Tag, message: str, cause: BaseException | None = None) -> None:
         event = Event(step=tag.step, kind=Kind.HALT, level=Level.CRITICAL, message=message, batch=_batch_index(tag.batch))
         self._emit(event)
         self.flush()
-        raise Halt(message) from cause
+        raise Halt(message, step=tag.step, reason=cause.reason if isinstance(cause, Halt) else "policy") from cause
 
     def _emit_skip(self, tag: _Tag, decision: "_Decision") -> None:
         obs = decision.obs
@@ -578,8 +680,12 @@ class Watcher:
             what += ")"
         else:
             what = "gradient spike"
-        # Without a restorable loader the batch is known only by its position in the step count.
-        batch = str(tag.batch) if tag.batch is not None else f"batch #{tag.step} (counting optimizer steps)"
+        # Without a restorable loader the batch is known by its step (and fingerprint, when seen).
+        if tag.batch is not None:
+            batch = str(tag.batch)
+        else:
+            ref = self.recovery.batch_at(tag.step)
+            batch = f"the batch drawn for step {tag.step}" + (f" (fingerprint {ref.fingerprint})" if ref else "")
         if self.scaler is not None and decision.nonfinite:
             action = "GradScaler skipped the step (loss-scale overflow or a bad batch)"
         else:
@@ -651,6 +757,41 @@ class _Decision:
     skip: bool
     rewind: bool
     nonfinite: bool
+    loss_bad: bool = False
+    scan: Any = None  # the state scan of a non-finite step (None: not taken)
+    bad_batch: bool = False  # a lone non-finite step with the state verified finite: the batch's fault
+
+
+# non-finite steps are skipped before anything is written: on their own they are no incident
+_SKIPPED_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE, Kind.SCALER_OVERFLOW})
+
+
+def _onset(step: int, alerts: Sequence[Event]) -> int:
+    """The first abnormal step the alerts speak of: an alert that counts consecutive steps
+    (an escalation, a divergence, a non-finite streak: ``values["steps"]``) began that many back."""
+    onset = step
+    for a in alerts:
+        n = a.values.get("steps", 1.0)
+        n = int(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 1 else 1
+        onset = min(onset, int(a.step) - n + 1)
+    return onset
+
+
+def _input_fingerprint(watcher: "Watcher") -> Callable[..., None]:
+    """A forward pre-hook folding the model's inputs (its first tensor argument) into the
+    step's batch fingerprint: training forwards only, on the device, no host sync."""
+    fps = watcher.recovery.fingerprints
+
+    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.is_grad_enabled() and not fps.explicit:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is None:
+                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            if first is not None:
+                fps.observe(first)
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if disable is not None else hook  # never traced into a compiled model
 
 
 def _reason(decision: _Decision) -> str:
