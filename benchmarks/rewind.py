@@ -340,7 +340,7 @@ def costs(rounds: int) -> None:
         t0 = time.perf_counter()
         rec.rewind(ew.step, "benchmark")
         rw_t.append(time.perf_counter() - t0)
-        rec._episode = None  # each timed rewind is a first one (not a recurrence)
+        rec.recurrence.episode = None  # each timed rewind is a first one (not a recurrence)
         step()
         t0 = time.perf_counter()
         payload = load_checkpoint(path)

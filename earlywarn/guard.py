@@ -542,7 +542,7 @@ class Watcher:
                                      + ("the step is skipped" if decision.skip else "the step is applied as usual"),
                              values={"rewound": 0.0}, batch=_batch_index(tag.batch)))
         if Action.HALT in actions:
-            why = (self.recovery.recurrence(tag.step, _reason(decision)) or self.recovery.lr_trend(tag.step)).rstrip(".")
+            why = (self.recovery.recurrence_of(tag.step, _reason(decision)) or self.recovery.lr_trend(tag.step)).rstrip(".")
             self._halt(tag, f"policy halted the run at step {tag.step}: {self.policy.halt_reason or 'configured'}; "
                             f"rewinds so far: {self.recovery.describe_rewinds()}. {why}. "
                             "The instability keeps coming back: lower the learning rate or inspect the quarantined "

@@ -10,7 +10,7 @@ import torch.nn as nn
 import earlywarn
 from earlywarn.events import Kind, Level
 from earlywarn.recover import Recovery, RecoveryConfig, SnapshotRing
-from earlywarn.recover.recovery import estimate_snapshot_bytes, parse_memory
+from earlywarn.recover.budget import estimate_snapshot_bytes, parse_memory
 from fixtures_models import MLP
 
 torch.set_num_threads(1)
