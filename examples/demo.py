@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     t0 = time.time()
+    fired: set[str] = set()
     last_loss = float("nan")
     finite_losses: list[float] = []
     while ew.step < args.steps:
@@ -95,10 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             ew.report_loss(loss)  # stays on the device; read with the gradient stats
             loss.backward()
             note = ""
-            if step == args.bad_batch_step:
+            # each fault happens once (ew.step goes back after a rewind: a step-keyed fault would recur)
+            if step == args.bad_batch_step and "bad_batch" not in fired:
+                fired.add("bad_batch")
                 model.blocks[2].fc.weight.grad[7, 3] = float("inf")  # fault 1: a bad batch
                 note = "<- fault 1: inf gradient"
-            if step == args.poison_step:
+            if step == args.poison_step and "poison" not in fired:
+                fired.add("poison")
                 opt.state[model.blocks[1].attn.weight]["exp_avg"].fill_(float("nan"))  # fault 2: poisoned state
                 note = "<- fault 2: NaN in Adam exp_avg"
             opt.step()

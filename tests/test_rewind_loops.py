@@ -267,3 +267,33 @@ def test_loop_state_round_trips_and_loads_with_weights_only(tmp_path):
     assert other.as_dict() == {"iter_num": 8, "best": 1.5, "name": "x", "hist": [1, 2]}
     with pytest.raises(AttributeError, match="LoopState has no value 'missing'"):
         other.missing
+
+
+def test_async_mode_rewinds_one_step_late_and_drops_the_step_in_flight(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ew = earlywarn.watch(model, opt, mode="async", sinks=[],
+                         recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    reports, seen = [], []
+    ew.on_rewind(reports.append)
+    poisoned = False
+    while ew.step < 70:
+        seen.append(ew.step)
+        x = torch.randn(32, 8)
+        loss = nn.functional.mse_loss(model(x), x @ W)
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if ew.step == 41 and not poisoned:
+            poisoned = True
+            opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+    ew.flush()
+    (r,) = reports
+    # NaN weights after step 41, NaN loss at 42, read one step late (inside step 43)
+    assert (r.incident_step, r.restored_step) == (42, 25)
+    assert seen.count(26) == 2 and seen.count(43) == 2  # trained again from 26; step 43's vector was dropped
+    assert [e.step for e in ew.events if e.kind is Kind.REWIND] == [42]
+    assert scan_state(model, opt).clean and ew.counters["rewinds"] == 1
+    ew.close()
