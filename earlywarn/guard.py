@@ -608,10 +608,10 @@ class Watcher:
         # Poisoned optimizer state with finite params: repair in place and keep the progress.
         # Anything else (params non-finite, a divergence, a non-finite streak): rewind to the
         # newest clean snapshot taken before the incident began.
-        scan = decision.scan if decision.scan is not None else self.recovery.scan()
+        scan = decision.scan  # taken on a non-finite step; a finite divergence needs none here
         triggers = set(self.policy.rewind_triggers)
         lone = not triggers & {"nonfinite_streak", str(Kind.LOSS_DIVERGED), str(Kind.COLLAPSE_RISK)}
-        if scan.state_poisoned and not scan.params_poisoned and (decision.nonfinite or decision.loss_bad) and lone:
+        if scan is not None and scan.state_poisoned and not scan.params_poisoned and lone:
             self.recovery.repair(tag.step, scan=scan)
             self.policy.withdraw_rewind()
             self.counters["repaired_steps"] += 1
@@ -625,7 +625,7 @@ class Watcher:
         if self._incident_onset is not None:
             onset = min(onset, self._incident_onset)
         try:
-            report = self.recovery.rewind(tag.step, reason=_reason(decision), onset=max(0, onset),
+            report = self.recovery.rewind(tag.step, reason=_reason(decision), onset=max(0, onset), scan=scan,
                                           blame=self._blame(tag, decision, scan, max(0, onset)))
         except Halt as exc:
             self._halt(tag, str(exc), cause=exc)
@@ -645,8 +645,10 @@ class Watcher:
         incident began (a divergence may be a hyperparameter's fault: "the episode began with");
         else this step's own batch."""
         kinds = {a.kind for a in decision.alerts}
-        # Poisoned state names its own origin; otherwise the layer whose gradient moved first.
-        layer = scan.first_layer or next((a.layer for a in decision.alerts if a.layer), None)
+        # Poisoned state names its own origin (the rewind adds it when it scans); otherwise the
+        # layer whose gradient moved first.
+        poisoned = scan is not None and scan.params_poisoned
+        layer = (scan.first_layer if scan is not None else None) or next((a.layer for a in decision.alerts if a.layer), None)
         if Kind.LOSS_NONFINITE in kinds:
             symptom = "the loss turned NaN" if decision.obs.loss is not None and math.isnan(decision.obs.loss) else "the loss turned non-finite"
         elif Kind.LOSS_DIVERGED in kinds:
@@ -656,7 +658,7 @@ class Watcher:
         else:
             symptom = "the incident"
         role = "the batch responsible"
-        if scan.params_poisoned or Kind.LOSS_NONFINITE in kinds:
+        if poisoned or Kind.LOSS_NONFINITE in kinds:
             responsible = max(tag.step - 1, 0)
         elif onset < tag.step:
             responsible, role = onset, "the episode began with"

@@ -297,3 +297,42 @@ def test_async_mode_rewinds_one_step_late_and_drops_the_step_in_flight(tmp_path)
     assert [e.step for e in ew.events if e.kind is Kind.REWIND] == [42]
     assert scan_state(model, opt).clean and ew.counters["rewinds"] == 1
     ew.close()
+
+
+def test_report_batch_replaces_the_input_hook_and_detach_removes_it(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    assert ew._input_hook is not None  # no loader names the batches: the inputs are hashed
+    fps = ew.recovery.fingerprints
+
+    def step(x, report=None):
+        loss = nn.functional.mse_loss(model(x), x @ W)
+        if report is not None:
+            ew.report_batch(report)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    x0, x1 = torch.randn(16, 8), torch.randn(16, 8)
+    step(x0)
+    with torch.no_grad():
+        model(x1)  # an eval forward is not the step's batch
+    step(x0)
+    got = fps.read([0, 1])
+    assert got[0] == got[1]
+    step(x1, report={"ids": torch.arange(16)})  # the first report_batch: only what it is given counts
+    assert ew._input_hook is None
+    ref = BatchFingerprints()
+    ref.observe({"ids": torch.arange(16)})
+    ref.bind(0)
+    assert fps.read([2])[2] == ref.read([0])[0]
+    ew.detach()
+    again = earlywarn.watch(model, opt, sinks=[])
+    assert len(model._forward_pre_hooks) == 1
+    again.detach()
+    assert not model._forward_pre_hooks
+    with_loader = earlywarn.watch(model, opt, sinks=[], loader=ResumableLoader(TensorDataset(x0), 4))
+    assert with_loader._input_hook is None  # positions name the batches
+    with_loader.close()

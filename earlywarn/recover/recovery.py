@@ -495,6 +495,7 @@ class Recovery:
         *,
         blame: Mapping[str, Any] | Blame | None = None,
         onset: int | None = None,
+        scan: StateScan | None = None,
     ) -> RewindReport:
         """Restore the newest clean snapshot taken before the incident began (``onset``: its
         first abnormal step; default ``step``) -- memory first, then disk -- in place: model,
@@ -507,7 +508,8 @@ class Recovery:
         per ``on_recurrence`` (halt, or rewind again no further back than the episode's first
         target and lower the learning rate). Raises :class:`Halt` then, when nothing to rewind
         to exists, or when the data cannot be moved as configured. The caller continues
-        training at ``report.resume_step`` (the optimizer and scheduler are at that step)."""
+        training at ``report.resume_step`` (the optimizer and scheduler are at that step).
+        ``scan``: a :meth:`scan` taken during this step already (else one is taken here)."""
         cfg = self.config
         blame_d = _blame_dict(blame)
         if not cfg.rewind:
@@ -527,7 +529,7 @@ class Recovery:
                                        f"{cfg.max_rewinds}), the last at {ep.lr_factor:g}x the learning rate, did not hold. "
                                        "Resume from the last clean checkpoint with a lower learning rate.",
                                  "rewinds_exhausted")
-        pre = self.scan()  # what the incident left (rare path: one read)
+        pre = scan if scan is not None else self.scan()  # what the incident left (rare path: one read)
         target = self._pick_target(step, onset, ep.first_target if ep is not None else None, poisoned=not pre.clean)
         if target is None:
             raise self._halt(step, f"{reason} at step {step}; no snapshot or checkpoint to rewind to (the first "

@@ -330,51 +330,98 @@ def scan_state(
                     if own is not None:
                         legit[len(entries)] = own
                 entries.append((n, "buffer", b, b))
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    counts_dev: list[torch.Tensor] = []
-    with torch.no_grad():
-        for i, (_, _, _, t) in enumerate(entries):
-            t = local(t)  # a DTensor's own shard: no collective per tensor
-            bad = torch.isfinite(t).logical_not_()
-            own = legit.get(i)
-            if own is None:
-                counts_dev.append(bad.sum())
-            elif own is True:  # all of it is the model's: poison nowhere, owned everywhere
-                counts_dev += [torch.zeros((), dtype=torch.int64, device=t.device), bad.sum()]
-            else:
-                counts_dev += [(bad & ~own).sum(), (bad & own).sum()]
-            by_device[t.device].append(i)
-    # entry i's counts sit at offsets[i] (poisoned) and offsets[i] + 1 (owned, when legit)
-    offsets, at = [], 0
-    for i in range(len(entries)):
-        offsets.append(at)
-        at += 2 if i in legit else 1
-    counts = [0] * len(counts_dev)
+    # Two passes, both on the device. First one fused L2 norm per tensor (torch._foreach_norm,
+    # the cheapest read there is): NaN and Inf propagate into it, so a finite norm means a finite
+    # tensor. Only tensors whose norm is not finite (poisoned, or huge finite values whose square
+    # overflowed) get the exact element count; so do the buffers with values of their own, always.
     agree = _Agree()
-    if agree.world > 1:
-        # one SUM all-reduce of all counts (one host read); a replicated element has several holders
-        sums = agree.sum(counts_dev, local(entries[0][3]).device) if entries else []
-        for i, (_, _, _, t) in enumerate(entries):
-            for j in range(offsets[i], offsets[i] + (2 if i in legit else 1)):
-                counts[j] = -(-sums[j] // agree.holders(t))
-    else:
-        for dev, idx in by_device.items():
-            pos = [j for i in idx for j in range(offsets[i], offsets[i] + (2 if i in legit else 1))]
-            values = torch.stack([counts_dev[j] for j in pos]).tolist()  # the one host read
-            for j, v in zip(pos, values):
-                counts[j] = int(v)
+    with torch.no_grad():
+        plain = [i for i in range(len(entries)) if i not in legit]
+        exact = [i for i in range(len(entries)) if i in legit]
+        first = _norms_bad([local(entries[i][3]) for i in plain]) + [_counts(local(entries[i][3]), legit[i]) for i in exact]
+        got = _read(agree, first, entries)
+        suspect = [i for i, bad in zip(plain, got[: len(plain)]) if bad]
+        counts: dict[int, tuple[int, int]] = {}
+        for k, i in enumerate(exact):
+            counts[i] = got[len(plain) + k]
+        if suspect:  # rare: the exact counts, in one more read (every rank took this branch alike)
+            for i, c in zip(suspect, _read(agree, [_counts(local(entries[i][3]), None) for i in suspect], entries)):
+                counts[i] = c
+    for i, (_, _, _, t) in enumerate(entries):
+        if agree.world > 1 and i in counts:  # a replicated element was counted by each of its holders
+            h = agree.holders(t)
+            counts[i] = (-(-counts[i][0] // h), -(-counts[i][1] // h))
     flags, owned, refs, legit_masks = [], [], {}, {}
     for i, (name, key, p, t) in enumerate(entries):
         refs[(name, key)] = (p, t)
-        c = counts[offsets[i]]
-        if c:
-            flags.append(Flag(name, key, c, t.numel()))
-        if i in legit:
-            if counts[offsets[i] + 1]:
-                owned.append(Flag(name, key, counts[offsets[i] + 1], t.numel()))
-            if isinstance(legit[i], torch.Tensor):
-                legit_masks[(name, key)] = legit[i]
+        bad, own = counts.get(i, (0, 0))
+        if bad:
+            flags.append(Flag(name, key, bad, t.numel()))
+        if own:
+            owned.append(Flag(name, key, own, t.numel()))
+        if isinstance(legit.get(i), torch.Tensor):
+            legit_masks[(name, key)] = legit[i]
     return StateScan(flags, len(entries), refs, param_numel, owned, legit_masks)
+
+
+def _norms_bad(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor, 1 when its L2 norm is not finite (fused per device and dtype), else 0."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for k, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(k)
+    for (_, dtype), idx in groups.items():
+        group = [tensors[k] for k in idx]
+        if dtype.is_complex:
+            norms = [torch.linalg.vector_norm(t) for t in group]
+        else:
+            norms = torch._foreach_norm(group)
+        for k, n in zip(idx, norms):
+            out[k] = torch.isfinite(n).logical_not_().to(torch.int64)
+    return out  # type: ignore[return-value]
+
+
+def _counts(t: torch.Tensor, own: torch.Tensor | bool | None) -> torch.Tensor:
+    """[poisoned, the model's own] non-finite elements of ``t``, as a device vector of 2."""
+    bad = torch.isfinite(t).logical_not_()
+    if own is None:
+        return torch.stack([bad.sum(), torch.zeros((), dtype=torch.int64, device=t.device)])
+    if own is True:  # all of it is the model's: poison nowhere, owned everywhere
+        return torch.stack([torch.zeros((), dtype=torch.int64, device=t.device), bad.sum()])
+    return torch.stack([(bad & ~own).sum(), (bad & own).sum()])
+
+
+def _read(agree: "_Agree", values: list[torch.Tensor], entries: list[Any]) -> list[Any]:
+    """Move ``values`` (device scalars, or vectors of 2) to the host in one read per device --
+    under torch.distributed one SUM all-reduce of them all instead. Scalars come back as ints,
+    vectors as (int, int)."""
+    if not values:
+        return []
+    flat = [v.reshape(-1) for v in values]
+    sizes = [f.numel() for f in flat]
+    if agree.world > 1:  # one SUM all-reduce on the state's device (NCCL needs CUDA tensors)
+        device = local(entries[0][3]).device
+        vec = torch.cat([f.to(device, torch.int64) for f in flat])
+        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
+        host = vec.tolist()
+    else:
+        host = [0] * sum(sizes)
+        offsets = [sum(sizes[:k]) for k in range(len(flat))]
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for k, f in enumerate(flat):
+            by_device[f.device].append(k)
+        for idx in by_device.values():
+            got = torch.cat([flat[k] for k in idx]).tolist()  # the one host read per device
+            at = 0
+            for k in idx:
+                host[offsets[k]:offsets[k] + sizes[k]] = got[at:at + sizes[k]]
+                at += sizes[k]
+    out, at = [], 0
+    for n in sizes:
+        chunk = [int(x) for x in host[at:at + n]]
+        out.append(chunk[0] if n == 1 else tuple(chunk))
+        at += n
+    return out
 
 
 @dataclass(frozen=True)
