@@ -634,7 +634,9 @@ class Watcher:
         self._reader.drain()  # async: the step in flight belongs to the abandoned trajectory
         self._step = report.resume_step  # the loop's schedule can follow (ew.step)
         self.counters["steps"] = self._step
-        self._incident_onset = None
+        # the restored state is clean: what comes next is judged afresh (a recurrence is the
+        # recovery's to diagnose); snapshots stay at the faster cadence for a while (_alert_tick)
+        self._incident_onset = self._incident_tick = None
         self._log_metrics(tag.step, decision.obs)
         for callback in self._rewind_callbacks:
             callback(report)
