@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -70,6 +71,28 @@ class WatchConfig:
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {', '.join(_MODES)}")
+        if isinstance(self.sinks, (str, Sink)):
+            raise TypeError(f"sinks= takes a list of sink names or Sink instances, got {self.sinks!r}: "
+                            f"write sinks=[{self.sinks!r}]")
+        if self.sinks is not None:
+            if not isinstance(self.sinks, Sequence):
+                raise TypeError(f"sinks= takes a list of sink names or Sink instances, got {type(self.sinks).__name__}")
+            for i, spec in enumerate(self.sinks):
+                if not isinstance(spec, (str, Sink)):
+                    raise TypeError(f"sinks[{i}]={spec!r}: a sink is a registered name (e.g. 'console', "
+                                    "'jsonl', 'mlflow', 'wandb', 'webhook') or an earlywarn.sinks.Sink instance")
+        if not isinstance(self.sink_options, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Mapping) for k, v in self.sink_options.items()):
+            raise TypeError("sink_options= takes {sink name: {option: value}}, e.g. "
+                            f"{{'mlflow': {{'experiment': 'x'}}}}; got {self.sink_options!r}")
+        if self.baseline is not None:
+            if not isinstance(self.baseline, Mapping):
+                raise TypeError(f"baseline= takes {{signal: typical value}}, e.g. {{'grad_norm': 0.2}}; got {self.baseline!r}")
+            for k, v in self.baseline.items():
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                if not isinstance(k, str) or not ok:
+                    raise ValueError(f"baseline[{k!r}]={v!r}: a baseline is a typical value of that signal, "
+                                     "a finite number > 0 (e.g. {'grad_norm': 0.2, 'loss': 2.3})")
         if isinstance(self.detector, (str, os.PathLike)):
             self.detector = DetectorConfig.from_file(self.detector)
         for name, typ in (("detector", DetectorConfig), ("policy", PolicyConfig),
@@ -119,6 +142,19 @@ class Watcher:
             )
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "earlywarn cannot guard torch.optim.LBFGS: its step() evaluates the closure up to "
+                "max_iter times and moves the parameters between evaluations, so a NaN gradient met "
+                "inside the line search is applied before any guard could see it. Train LBFGS "
+                "without earlywarn (its own tolerance checks stop on non-finite losses), or use a "
+                "first-order optimizer")
+        for what, obj in (("scheduler", scheduler), *((f"extra_state[{k!r}]", v) for k, v in (extra_state or {}).items())):
+            if obj is not None and not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(
+                    f"{what}= takes an object with state_dict() and load_state_dict() (e.g. a "
+                    f"torch.optim.lr_scheduler.LRScheduler), got {type(obj).__name__}: earlywarn "
+                    "restores it on a rewind")
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
@@ -158,7 +194,8 @@ class Watcher:
             "nonfinite_steps": 0, "alerts_info": 0, "alerts_warning": 0, "alerts_critical": 0,
         }
         self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
-        self._loss: torch.Tensor | None = None
+        self._loss: torch.Tensor | None = None  # sum of the losses reported since the last step
+        self._loss_count = 0
         self._last_alert_step: int | None = None
         self._incident_start: tuple[int, Any] | None = None  # (step, batch) of the first alert of an episode
         self._scaler_observed: tuple[bool] | None = None
@@ -185,11 +222,12 @@ class Watcher:
             for i, p in enumerate(self.layer_map.params) if p.requires_grad
         ]
 
-        # Install: the instance attribute shadows the class's step; detach() removes it again.
-        self._had_step_attr = "step" in optimizer.__dict__
-        self._prev_step = optimizer.__dict__.get("step")
-        self._orig_step = optimizer.step
-        optimizer.step = self._guarded_step  # type: ignore[method-assign]
+        # Install: an instance attribute shadows the class's step; detach() removes it again.
+        # It is the optimizer's own bound method (see _watched_step), so wrappers that rebind
+        # `optimizer.step.__func__` to the optimizer (LR schedulers do) keep working.
+        below = _step_below(optimizer)
+        self._orig_step = below if below is not None else types.MethodType(type(optimizer).step, optimizer)
+        optimizer.step = types.MethodType(_watched_step_fn(), optimizer)  # type: ignore[method-assign]
         optimizer._earlywarn_watcher = self  # type: ignore[attr-defined]
         if self.scaler is not None:
             self._had_scaler_attr = "step" in self.scaler.__dict__
@@ -217,25 +255,42 @@ class Watcher:
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Tell earlywarn this step's loss. A tensor is kept on the device (no host sync) and read
-        with the gradient statistics in the step's one transfer."""
+        with the gradient statistics in the step's one transfer.
+
+        Under gradient accumulation call it for every micro-batch: the losses reported between
+        two optimizer steps are averaged (on the device), and one NaN micro-batch makes the step's
+        loss NaN. The detector works on ratios, so a constant factor (nanoGPT reports
+        ``loss / gradient_accumulation_steps``) changes nothing."""
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"report_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}: reduce it first (e.g. .mean())")
-            self._loss = loss.detach().reshape(())
+            value = loss.detach().reshape(())
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            value = torch.tensor(float(loss), dtype=torch.float64)
         else:
-            self._loss = torch.tensor(float(loss), dtype=torch.float64)
+            raise TypeError(f"report_loss takes a scalar tensor or a float, got {type(loss).__name__}")
+        if self._loss is None:
+            self._loss, self._loss_count = value, 1
+        else:
+            if value.device != self._loss.device:
+                value = value.to(self._loss.device)
+            self._loss, self._loss_count = self._loss + value, self._loss_count + 1
 
     def summary(self) -> dict[str, int]:
         return dict(self.counters)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._step, "counters": dict(self.counters),
-                "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
-                "recovery": self.recovery.state_dict()}
+        """The watcher's state (detector, policy, recovery, counters, step) in plain types and
+        tensors: ``torch.save`` it and ``torch.load(path)`` (``weights_only=True``) reads it back."""
+        return _weights_only_safe({
+            "step": self._step, "counters": dict(self.counters),
+            "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
+            "recovery": self.recovery.state_dict()})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = _from_saved(state)
         self._step = int(state["step"])
-        self.counters.update(state["counters"])
+        self.counters.update({k: int(v) for k, v in state["counters"].items()})
         self.detector.load_state_dict(state["detector"])
         self.policy.load_state_dict(state["policy"])
         self.recovery.load_state_dict(state["recovery"])
@@ -260,12 +315,14 @@ class Watcher:
                 h.remove()
             self._order_hooks = []
             opt = self.optimizer
-            if opt.__dict__.get("step") == self._guarded_step:
-                if self._had_step_attr:
-                    opt.step = self._prev_step  # type: ignore[method-assign]
+            if _is_watched_step(opt.__dict__.get("step")):
+                below = opt.__dict__.pop(_BELOW, None)
+                if below is not None:
+                    opt.step = below  # type: ignore[method-assign]
                 else:
                     del opt.step
-            # else: someone wrapped our wrapper (an LR scheduler created later); it now passes through.
+            # else: someone wrapped our step (an LR scheduler created later); it now passes through
+            # to the step that was there before earlywarn (kept under _BELOW).
             opt.__dict__.pop("_earlywarn_watcher", None)
             if self.scaler is not None and self.scaler.__dict__.get("step") == self._guarded_scaler_step:
                 if self._had_scaler_attr:
@@ -320,7 +377,9 @@ class Watcher:
         nan = torch.full((1,), math.nan, dtype=dt, device=dev)
         loss = self._loss
         reported = loss is not None
-        self._loss = None
+        if reported and self._loss_count > 1:
+            loss = loss / self._loss_count  # micro-batch losses since the last step: their mean
+        self._loss, self._loss_count = None, 0
         scale = self.scaler._scale if self.scaler is not None else None
         vec = torch.cat([
             layer_sq,
@@ -341,6 +400,29 @@ class Watcher:
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
         self._step += 1
         return vec, tag
+
+    def _step_with_closure(self, args: tuple, kwargs: dict) -> Any:
+        """``optimizer.step(closure)``: the closure runs backward, so it is evaluated first and the
+        guard decides on the gradients it produced. The optimizer then gets the evaluated loss
+        (torch.optim's optimizers evaluate a closure once; LBFGS, which evaluates it many times,
+        is refused at watch()); a second call evaluates the real closure again."""
+        closure = args[0] if args else kwargs.get("closure")
+        if closure is None or self._detached or self._scaler_observed is not None:
+            return self._guarded_step(*args, **kwargs)
+        with torch.enable_grad():
+            loss = closure()
+        done = [False]
+
+        def evaluated() -> Any:
+            if done[0]:
+                with torch.enable_grad():
+                    return closure()
+            done[0] = True
+            return loss
+
+        kwargs = {k: v for k, v in kwargs.items() if k != "closure"}
+        out = self._guarded_step(evaluated, *args[1:], **kwargs)
+        return loss if out is None else out
 
     def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._detached:
@@ -580,11 +662,15 @@ class Watcher:
             what = "gradient spike"
         # Without a restorable loader the batch is known only by its position in the step count.
         batch = str(tag.batch) if tag.batch is not None else f"batch #{tag.step} (counting optimizer steps)"
+        level = Level.CRITICAL if decision.nonfinite else Level.WARNING
         if self.scaler is not None and decision.nonfinite:
+            # The scaler doing its job (start-up, after each scale growth): info. A scale that
+            # keeps collapsing is the detector's SCALER_OVERFLOW critical.
             action = "GradScaler skipped the step (loss-scale overflow or a bad batch)"
+            level = Level.INFO
         else:
             action = "optimizer step skipped, params and optimizer state untouched"
-        self._emit(Event(step=tag.step, kind=Kind.SKIP, level=Level.CRITICAL if decision.nonfinite else Level.WARNING,
+        self._emit(Event(step=tag.step, kind=Kind.SKIP, level=level,
                          message=f"{what} from {batch}: {action}", signal="grad_norm", layers=tuple(bad),
                          values={"grad_norm": obs.grad_norm if obs.grad_norm is not None else math.nan},
                          batch=_batch_index(tag.batch) if tag.batch is not None else tag.step))
@@ -615,6 +701,77 @@ class Watcher:
         )
         for sink in self.sinks:
             _safe(sink, "log_metrics", step, metrics)
+
+
+def _weights_only_safe(tree: Any) -> Any:
+    """numpy arrays -> tensors, numpy scalars -> Python numbers, tuples kept: what
+    ``torch.load(weights_only=True)`` accepts (the detector is pure numpy)."""
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(tree).copy())
+    if isinstance(tree, np.generic):
+        return tree.item()
+    if isinstance(tree, Mapping):
+        return {k: _weights_only_safe(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_weights_only_safe(v) for v in tree)
+    return tree
+
+
+def _from_saved(tree: Any) -> Any:
+    """Inverse of :func:`_weights_only_safe` (tensors -> numpy arrays)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    if isinstance(tree, Mapping):
+        return {k: _from_saved(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_from_saved(v) for v in tree)
+    return tree
+
+
+_BELOW = "_earlywarn_step_below"  # the optimizer's own `step` attribute before earlywarn installed itself
+
+
+def _watched_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """``optimizer.step`` while watched. A plain function bound to the optimizer: an LR scheduler
+    created after ``watch()`` rebinds ``optimizer.step.__func__`` to the optimizer, and any other
+    wrapper that calls it finds its watcher here (or, once detached, the step that was below)."""
+    watcher = optimizer.__dict__.get("_earlywarn_watcher")
+    if watcher is not None:
+        return watcher._step_with_closure(args, kwargs)
+    below = optimizer.__dict__.get(_BELOW)
+    if below is not None:
+        return below(*args, **kwargs)
+    return type(optimizer).step(optimizer, *args, **kwargs)
+
+
+_WATCHED_STEP: Any = None
+
+
+def _watched_step_fn() -> Any:
+    # torch.compile(optimizer.step) after watch() must not trace the host-side guard (numpy,
+    # Python control flow): dynamo runs it eagerly instead.
+    global _WATCHED_STEP
+    if _WATCHED_STEP is None:
+        _WATCHED_STEP = torch.compiler.disable(_watched_step)
+    return _WATCHED_STEP
+
+
+def _is_watched_step(fn: Any) -> bool:
+    return _WATCHED_STEP is not None and getattr(fn, "__func__", None) is _WATCHED_STEP
+
+
+def _step_below(optimizer: torch.optim.Optimizer) -> Any:
+    """What really steps the optimizer under earlywarn: the instance ``step`` that was there when
+    earlywarn first attached (an LR scheduler's wrapper, a compiled step), or None for the class's.
+    Re-watching an optimizer whose step was wrapped over ours keeps the first one."""
+    d = optimizer.__dict__
+    if _BELOW in d:
+        return d[_BELOW]
+    current = d.get("step")
+    if current is not None and not _is_watched_step(current):
+        d[_BELOW] = current
+        return current
+    return None
 
 
 class _Counters:

@@ -116,8 +116,19 @@ class RecoveryConfig:
         rsb = self.rewind_skip_batches
         if not (rsb == SINCE_SNAPSHOT or (is_int(rsb) and rsb >= 0)):
             raise bad("rewind_skip_batches", f"use {SINCE_SNAPSHOT!r} or an int >= 0")
-        if not 0.0 <= float(self.repair_max_param_fraction) <= 1.0:
-            raise bad("repair_max_param_fraction", "must be between 0 and 1")
+        for name in ("checkpoint_async", "repair", "repair_reset_state", "rewind"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be True or False (a string such as 'false' would count as true)")
+        frac = self.repair_max_param_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            raise bad("repair_max_param_fraction", "must be a number between 0 and 1 (a share of all parameter elements)")
+        for name in ("checkpoint_dir", "quarantine_path"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise bad(name, "must be a path (str or os.PathLike), or None")
+            if v is not None and os.fspath(v) == "":
+                raise bad(name, "is empty: give a directory (e.g. 'checkpoints'), or None for none"
+                          if name == "checkpoint_dir" else "is empty: give a file path, or None for the default")
         for name in ("save_fn", "load_fn"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise bad(name, "must be callable")
@@ -369,6 +380,8 @@ class Recovery:
                               collective=cfg.collective)
             if ckpt_dir is not None else None
         )
+        if self.checkpoints is not None:
+            self.checkpoints.on_failure = self._checkpoint_failed
         if cfg.quarantine_path is not None:
             self.quarantine_path: Path = Path(cfg.quarantine_path)
         elif ckpt_dir is not None:
@@ -461,10 +474,19 @@ class Recovery:
             snap.pinned -= 1
 
         path = self.checkpoints.save(snap.host, step, clean=clean, reason=reason, on_done=done)
-        self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
-                        message=f"checkpoint ({reason}{', clean' if clean else ''}) -> {path}",
-                        signal=reason, values={"clean": float(clean)}))
+        if path is not None:
+            self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
+                            message=f"checkpoint ({reason}{', clean' if clean else ''}) -> {path}",
+                            signal=reason, values={"clean": float(clean)}))
         return path
+
+    def _checkpoint_failed(self, path: Path, error: BaseException) -> None:
+        errno = getattr(error, "errno", None)
+        self.emit(Event(step=self._last_step_seen or 0, kind=Kind.CHECKPOINT, level=Level.WARNING,
+                        message=f"checkpoint write failed: {path} ({type(error).__name__}"
+                                f"{f' errno {errno}' if errno is not None else ''}: {error}); training goes on, "
+                                f"{self.checkpoints.failures if self.checkpoints else 0} failed so far",
+                        signal="checkpoint_failed", values={"failures": float(self.checkpoints.failures if self.checkpoints else 0)}))
 
     def checkpoint(self, step: int, reason: str) -> str | None:
         """Save now, e.g. on a warning while parameters are still finite. Kept as *unclean*
@@ -727,12 +749,13 @@ class Recovery:
         if path is None:
             if self.checkpoints is None:
                 raise CheckpointError("resume() without a path needs RecoveryConfig.checkpoint_dir")
-            info = self.checkpoints.latest(clean_only=True)
-            if info is None:
-                raise CheckpointError(f"no clean checkpoint in {self.checkpoints.directory}")
-            path = info.path
-        payload = load_checkpoint(path, load_fn=self.config.load_fn)
+            path, payload = self._newest_readable()
+        else:
+            payload = load_checkpoint(path, load_fn=self.config.load_fn)
         state = payload["state"]
+        if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
+            raise CheckpointError(f"{path} holds no model state (its 'state' is {type(state).__name__}): "
+                                  "not a checkpoint earlywarn wrote, or written for another model")
         if restore_data:
             data = state.get("data")
             if data is None:
@@ -742,11 +765,17 @@ class Recovery:
             if not self.data.restorable:
                 raise DataPositionError(f"cannot restore the data position: {self.data.why_not}")
             self.data.load_state_dict(data)
-        restore_state(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                      scaler=self.scaler, extra=self.extra_state)
-        if state.get("recovery") is not None:
-            self.load_state_dict(state["recovery"])
-        step = int(payload["step"])
+        try:
+            restore_state(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                          scaler=self.scaler, extra=self.extra_state)
+            if state.get("recovery") is not None:
+                self.load_state_dict(state["recovery"])
+            step = int(payload["step"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
+            raise CheckpointError(
+                f"{path} does not fit this run ({type(e).__name__}: {e}); the model, optimizer or "
+                "objects restored may be partly overwritten: rebuild them and resume from a checkpoint "
+                "of this model") from e
         self._history.clear()
         self._last_step_seen = step
         self._drawn_mark = self.data.drawn()
@@ -757,6 +786,30 @@ class Recovery:
         self.emit(Event(step=step, kind=Kind.RESUME, level=Level.INFO,
                         message=f"resumed from {path} at step {step}", signal="resume"))
         return step
+
+    def _newest_readable(self) -> tuple[Path, dict[str, Any]]:
+        """The newest clean checkpoint that reads back; a torn or unreadable newer one is
+        skipped with a warning event (a crash mid-copy, a truncated file on a full disk)."""
+        assert self.checkpoints is not None
+        cands = [c for c in reversed(self.checkpoints.list()) if c.clean]
+        if not cands:
+            raise CheckpointError(f"no clean checkpoint in {self.checkpoints.directory}")
+        errors = []
+        for info in cands:
+            try:
+                payload = load_checkpoint(info.path, load_fn=self.config.load_fn)
+            except CheckpointError as e:
+                errors.append(f"{info.path.name}: {e}")
+                continue
+            if errors:
+                msg = (f"resuming from {info.path} instead: the newer checkpoint(s) could not be read: "
+                       + "; ".join(errors))
+                import warnings
+
+                warnings.warn(f"earlywarn: {msg}", RuntimeWarning, stacklevel=3)
+                self.emit(Event(step=info.step, kind=Kind.RESUME, level=Level.WARNING, message=msg, signal="resume"))
+            return info.path, payload
+        raise CheckpointError(f"no readable clean checkpoint in {self.checkpoints.directory}: " + "; ".join(errors))
 
     def close(self) -> None:
         """Wait for a background checkpoint write (raises its error)."""
