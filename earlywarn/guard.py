@@ -322,7 +322,7 @@ class Watcher:
                 else:
                     del opt.step
             # else: someone wrapped our step (an LR scheduler created later); it now passes through
-            # to the step that was there before earlywarn (kept under _BELOW).
+            # to the step that was there before earlywarn (kept under _BELOW; None: the class's).
             opt.__dict__.pop("_earlywarn_watcher", None)
             if self.scaler is not None and self.scaler.__dict__.get("step") == self._guarded_scaler_step:
                 if self._had_scaler_attr:
@@ -735,6 +735,7 @@ def _watched_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -
     """``optimizer.step`` while watched. A plain function bound to the optimizer: an LR scheduler
     created after ``watch()`` rebinds ``optimizer.step.__func__`` to the optimizer, and any other
     wrapper that calls it finds its watcher here (or, once detached, the step that was below)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's own wrapper records
     watcher = optimizer.__dict__.get("_earlywarn_watcher")
     if watcher is not None:
         return watcher._step_with_closure(args, kwargs)
@@ -753,6 +754,10 @@ def _watched_step_fn() -> Any:
     global _WATCHED_STEP
     if _WATCHED_STEP is None:
         _WATCHED_STEP = torch.compiler.disable(_watched_step)
+        # LR schedulers check this marker (and wrap the step to set _opt_called, which
+        # _watched_step does itself): a scheduler built before watch() must not warn that
+        # "optimizer.step() has been overridden after learning rate scheduler initialization".
+        _WATCHED_STEP._wrapped_by_lr_sched = True
     return _WATCHED_STEP
 
 
@@ -765,13 +770,10 @@ def _step_below(optimizer: torch.optim.Optimizer) -> Any:
     earlywarn first attached (an LR scheduler's wrapper, a compiled step), or None for the class's.
     Re-watching an optimizer whose step was wrapped over ours keeps the first one."""
     d = optimizer.__dict__
-    if _BELOW in d:
-        return d[_BELOW]
-    current = d.get("step")
-    if current is not None and not _is_watched_step(current):
-        d[_BELOW] = current
-        return current
-    return None
+    if _BELOW not in d:
+        current = d.get("step")
+        d[_BELOW] = current if current is not None and not _is_watched_step(current) else None
+    return d[_BELOW]
 
 
 class _Counters:
