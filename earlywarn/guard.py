@@ -159,7 +159,10 @@ class Watcher:
         # Async only when every parameter is on CUDA (params[0] alone says nothing about the rest).
         late = config.mode == "async" or (config.mode == "auto" and self._fused and self._all_cuda)
         self.mode = "async" if late else "sync"
-        self._reader = LateReader() if late else SyncReader()
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        # Alone, a step is judged as soon as its vector has landed; under torch.distributed
+        # exactly two steps late on every rank (a rewind or a repair issues collectives).
+        self._reader = LateReader(fixed_lag=2 if dist else None) if late else SyncReader()
         # Async mode cannot recount a layer after the fact: exact (float64) norms from the start.
         self._stats = GradStats(self.layer_map, exact=late)
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants (sync, fused)

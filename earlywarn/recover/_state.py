@@ -166,11 +166,13 @@ def _host_buffer(t: torch.Tensor, reuse: Any) -> torch.Tensor | None:
 
 
 def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" = None,
-            check_finite: bool = False) -> HostCopy:
+            check_finite: bool = False, agree: bool = False) -> HostCopy:
     """Copy every tensor in ``tree`` to host memory (never aliasing the live tensors); other leaves
     are deep-copied. ``reuse`` is an older copy of the same structure whose buffers are recycled
     (no fresh host allocation every snapshot for a model of fixed shape). ``side``: the
-    optimizer's tensors (see the note above); ``check_finite``: flag whether they are finite."""
+    optimizer's tensors (see the note above); ``check_finite``: flag whether they are finite;
+    ``agree``: under torch.distributed, the flag is summed over ranks (a collective: every rank
+    calls this together)."""
     side = side or []
     side_keys = {k for k in (_key(t) for t in side) if k is not None}
     side_copies: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
@@ -225,30 +227,77 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
     by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
     for t in side:
         by_device[t.device].append(t)
+    device_flags: list[tuple[torch.device, torch.Tensor]] = []  # computed beside the copies
     for device in set(side_copies) | ({d for d in by_device if d.type == "cuda"} if check_finite else set()):
         stream = _side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the copies read the state as of now
         with torch.cuda.stream(stream):
             for dst, src in side_copies.get(device, ()):
                 dst.copy_(src, non_blocking=True)  # src: live parameters / state, never freed meanwhile
-            if check_finite:
-                flag = nonfinite_flag(by_device[device])
-                if flag is not None:
-                    host_flag = torch.empty(1, dtype=flag.dtype, pin_memory=True)
-                    host_flag.copy_(flag, non_blocking=True)
-                    flags.append(host_flag)
+            flag = nonfinite_flag(by_device[device]) if check_finite else None
+            if flag is not None:
+                device_flags.append((device, flag))
             event = record_event(device)  # on the side stream (current inside this block)
         events.append(event)
         _FENCES.append((device, event))
+    flags: list[torch.Tensor] = []
     if check_finite:
         for device, ts in by_device.items():
             if device.type != "cuda":
                 flag = nonfinite_flag(ts)  # computed right here: the host has its value already
                 if flag is not None:
-                    flags.append(flag)
+                    device_flags.append((device, flag))
+        if agree:
+            flags, flag_events = _agreed_flag(device_flags)
+            events += flag_events
+        else:
+            for device, flag in device_flags:
+                flags.append(_host_flag(flag, _side_stream(device) if device.type == "cuda" else None))
     host = HostCopy(out, events, flags=flags, owned=owned_host)
     host.checked = check_finite
     return host
+
+
+def _host_flag(flag: torch.Tensor, stream: Any) -> torch.Tensor:
+    if flag.device.type != "cuda":
+        return flag
+    with torch.cuda.stream(stream):  # after the flag's kernels; the copy's event follows below
+        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+    return host
+
+
+def _agreed_flag(device_flags: list[tuple[torch.device, torch.Tensor]]) -> tuple[list[torch.Tensor], list[Any]]:
+    """One flag summed over every rank (a single all-reduce, on the device for NCCL): every rank
+    then keeps or drops the snapshot alike (an FSDP shard, or one rank's corrupted replica, is
+    poisoned on that rank only)."""
+    cuda = [d for d, _ in device_flags if d.type == "cuda"]
+    device = cuda[0] if cuda else torch.device("cpu")
+    if device.type != "cuda":
+        total = torch.zeros(1, dtype=torch.float32)
+        for _, f in device_flags:
+            total += f.to(total.dtype)
+        torch.distributed.all_reduce(total)
+        return [total], []
+    stream = _side_stream(device)
+    for d, _ in device_flags:
+        if d.type == "cuda" and d != device:
+            stream.wait_stream(_side_stream(d))
+    with torch.cuda.stream(stream):
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for d, f in device_flags:
+            if d.type != "cuda":
+                total += float(f)  # a host value already: an argument of the add kernel
+            elif d == device:
+                total += f.double()
+            else:
+                f.record_stream(stream)  # made on that device's side stream, read here
+                total += f.to(device, torch.float64, non_blocking=True)
+        torch.distributed.all_reduce(total)  # NCCL waits on this stream, this stream on NCCL
+        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+        host.copy_(total, non_blocking=True)
+        event = record_event(device)
+    return [host], [event]
 
 
 def clone_tree(tree: Any) -> Any:

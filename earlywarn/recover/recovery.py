@@ -28,8 +28,8 @@ from ..events import Event, Kind, Level
 from .checkpoint import CheckpointInfo, CheckpointManager, is_collective, load_checkpoint
 from .data import BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError, Halt
-from .repair import RepairReport, StateScan, repair_optimizer_state, scan_state
-from ._state import call_state_dict, fence_copies, to_host
+from .repair import RepairReport, StateScan, _Agree, repair_optimizer_state, scan_state
+from ._state import call_state_dict, fence_copies, local, to_host
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
 
 SINCE_SNAPSHOT = "since_snapshot"
@@ -282,6 +282,14 @@ def _distributed_rank() -> int | None:
     return None
 
 
+def _on_every_rank(ok: bool, optimizer: torch.optim.Optimizer) -> bool:
+    """``ok`` and'ed over ranks (one small all-reduce under torch.distributed; rare path)."""
+    if _distributed_rank() is None:
+        return ok
+    device = local(next(p for g in optimizer.param_groups for p in g["params"])).device
+    return _Agree().sum([int(not ok)], device)[0] == 0
+
+
 def _plain(x: Any) -> Any:
     if hasattr(x, "to_dict"):
         return x.to_dict()
@@ -434,7 +442,9 @@ class Recovery:
         self._drawn_mark = self.data.drawn()
         while len(self._history) > self.config.history:
             self._history.popitem(last=False)
-        self._settle(block=False)
+        # Under torch.distributed every rank settles here, at the same step (waiting if the copy
+        # is still in flight): what may follow is a collective (scan, repair).
+        self._settle(block=_distributed_rank() is not None)
         if self._provisional is not None:
             return
         cfg = self.config
@@ -476,7 +486,11 @@ class Recovery:
                 late = {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in self.extra_state.items()
                         if k in self.late_state}
                 p.snap.host.tree["extra"].update(to_host(late).tree)
-        self._settle(block=False)
+        p = self._provisional
+        if p is not None and p.judged and p.to_disk:
+            self._settle(block=True)  # a disk write needs the copy anyway: now, at its step
+        elif _distributed_rank() is None:
+            self._settle(block=False)
 
     def settle(self) -> None:
         """Finish the snapshot in flight, if any (waits for its copy): the ring is then current."""
@@ -488,7 +502,8 @@ class Recovery:
             return
         self._provisional = None
         host = p.snap.host
-        if host.finite() or host.owned_finite():  # the device flag; if it fired, the exact host check
+        # The device flag (agreed over ranks); if it fired, the exact host check (agreed too).
+        if host.finite() or _on_every_rank(host.owned_finite(), self.optimizer):
             self._keep(p)
             return
         self._drop(p)

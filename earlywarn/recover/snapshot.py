@@ -51,7 +51,8 @@ def capture_state(
     """Host copy of the full training state. ``data`` is the loader's position state (already a
     plain dict); ``extra`` maps names to objects with ``state_dict()``. ``check_finite``: also
     flag, on the device, whether the optimizer's parameters and state are finite
-    (``HostCopy.finite()``, read once the copy has landed: no host sync now)."""
+    (``HostCopy.finite()``, read once the copy has landed: no host sync now). Under
+    torch.distributed the flag is agreed over ranks in one all-reduce: call it on every rank."""
     live = {
         "step": int(step),
         "model": model.state_dict(),
@@ -62,7 +63,9 @@ def capture_state(
         "data": data,
         "extra": {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in (extra or {}).items()},
     }
-    return to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite)
+    dist = torch.distributed
+    agree = check_finite and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree)
 
 
 def restore_state(
