@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import earlywarn
 from earlywarn.capture.hostread import HOST_WAITS, LateReader
@@ -272,3 +273,40 @@ def test_mode_selection():
     model = MLP()
     with pytest.raises(ValueError, match="fused=True to torch.optim.Adam/AdamW/SGD"):
         earlywarn.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="async", sinks=[])
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts the operations that hand a tensor's value to the host (a sync on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_async_step_reads_no_value_on_the_host():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ew = earlywarn.watch(model, opt, mode="async", sinks=[], recovery=RecoveryConfig(snapshot_every=1000))
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):  # warm: optimizer state, the first snapshot and its settling
+        step()
+    with _ScalarReads() as reads:
+        for _ in range(3):
+            step()  # each also judges an earlier step: detector, policy, metrics
+    assert reads.count == 0
+    ew.close()

@@ -9,7 +9,8 @@ optimizer reads ``found_inf`` on the device), only the detector sees values late
 when the host keeps pace with the device, more when it runs ahead.
 
 Blocking waits (``event.synchronize()``, which ``torch.cuda.set_sync_debug_mode`` does not see)
-happen only in ``drain()`` and when ``max_depth`` vectors are in flight; every one is timed in
+happen only in ``drain()``, when ``max_depth`` vectors are in flight, and with ``fixed_lag``
+(under torch.distributed every rank must judge a step at the same step); every one is timed in
 :data:`HOST_WAITS`.
 """
 
