@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     bare_model, bare_opt = make()
     ew_model, ew_opt = make()
     ew = watch(ew_model, ew_opt, cuda)
-    print(f"model: {param_count(bare_model) / 1e6:.0f}M params, batch {a.batch} x {a.seq}, fused AdamW, "
-          f"bf16 autocast; earlywarn mode: {ew.mode}, snapshot_every=5")
+    print(f"model: {param_count(bare_model) / 1e6:.1f}M params, batch {a.batch} x {a.seq}, fused AdamW, "
+          f"{'bf16 autocast' if cuda else 'float32'}; earlywarn mode: {ew.mode}, snapshot_every=5"
+          + ("" if cuda else "; CPU timings below mean nothing (a tiny model on a shared host)"))
     check(ew.mode == "async", "earlywarn chose async mode")
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g).to(dev)
