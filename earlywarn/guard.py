@@ -35,6 +35,7 @@ from earlywarn.events import Event, Kind, Level
 from earlywarn.metrics import MetricsConfig, build_metrics
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
+from earlywarn.recover._state import fence_copies
 from earlywarn.sinks import Sink
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
@@ -48,8 +49,10 @@ class WatchConfig:
     mode: str = "auto"
     """``"sync"``: one batched host read per step, before the step (spikes can be skipped too).
     ``"async"``: no host read on the hot path; the fused optimizer skips non-finite steps on the
-    device and the detector sees each step one step late (needs fused Adam/AdamW).
-    ``"auto"``: async on CUDA with a fused Adam/AdamW, else sync."""
+    device and the detector sees each step late -- one step, more when the host runs ahead
+    (needs fused Adam/AdamW/SGD; a finite spike cannot be skipped: its update is applied before
+    its statistics arrive). ``"auto"``: async when the optimizer is fused and every parameter is
+    on CUDA, else sync."""
     group_by: GroupBy = "module"
     """What a layer is: ``"module"`` (owning module), ``"depth:N"`` / ``N`` (module path cut to N
     components), or a function ``param_name -> layer_name``."""
@@ -102,23 +105,36 @@ class WatchConfig:
                 raise TypeError(f"{name}= takes an earlywarn {typ.__name__}, got {type(value).__name__}")
 
 
-def _is_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
-    # torch's fused Adam/AdamW honour `optimizer.found_inf` inside the kernel: a sync-free skip.
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    # torch's fused Adam/AdamW/SGD honour `optimizer.found_inf` inside the kernel: a sync-free skip.
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
         return False
     return all(bool(g.get("fused")) for g in optimizer.param_groups)
+
+
+def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
+    """A scalar onto the statistics vector's device without making the host wait."""
+    if t.device == dev:
+        return t.to(dt).reshape(1)
+    if t.device.type == "cpu" and dev.type == "cuda":
+        # A host value (report_loss(float)): a fill kernel takes it as an argument. Copying a
+        # pageable tensor with non_blocking=True may be synchronous after all.
+        return torch.full((1,), float(t), dtype=dt, device=dev)
+    return t.to(dev, dt, non_blocking=dev.type == "cuda").reshape(1)  # non-blocking only toward CUDA
 
 
 class _Tag:
     """What the host needs to know about a step whose vector may arrive a step late."""
 
-    __slots__ = ("step", "batch", "loss_reported", "counts")
+    __slots__ = ("step", "batch", "loss_reported", "counts", "inv_scale", "gen")
 
     def __init__(self, step: int, batch: Any, loss_reported: bool):
         self.step = step
-        self.batch = batch
+        self.batch = batch  # drawn for this step: what blame and quarantine name, however late it is read
         self.loss_reported = loss_reported
         self.counts: np.ndarray | None = None
+        self.inv_scale: torch.Tensor | None = None  # for the rare-path recount (sync mode)
+        self.gen = 0  # the watcher's rewind generation when the step ran (async mode)
 
 
 class Watcher:
@@ -161,18 +177,32 @@ class Watcher:
         self.config = config
         self.layer_map = build_layer_map(model, optimizer, config.group_by)
         self.layer_names: tuple[str, ...] = self.layer_map.layer_names
-        self._stats = GradStats(self.layer_map)
-        self._fused = _is_fused_adam(optimizer)
-        device = self.layer_map.params[0].device
+        self._fused = _is_fused(optimizer)
+        devices = {p.device for p in self.layer_map.params}
+        self._all_cuda = all(d.type == "cuda" for d in devices)
         if config.mode == "async" and not self._fused:
             raise ValueError(
                 f"mode='async' needs an optimizer that can skip on the device, but "
-                f"{type(optimizer).__name__} is not fused: pass fused=True to torch.optim.Adam/AdamW, "
+                f"{type(optimizer).__name__} is not fused: pass fused=True to torch.optim.Adam/AdamW/SGD, "
                 "or use mode='sync' (one host read per step)"
             )
-        late = config.mode == "async" or (config.mode == "auto" and self._fused and device.type == "cuda")
+        if config.mode == "async" and not self._all_cuda and any(d.type == "cuda" for d in devices):
+            raise ValueError(
+                "mode='async' needs every parameter on a CUDA device, but some are on "
+                f"{sorted(str(d) for d in devices if d.type != 'cuda')} (offloaded): the fused step would copy "
+                "the device skip flag to them with non_blocking=True and read it before it lands. Use mode='sync'"
+            )
+        # Async only when every parameter is on CUDA (params[0] alone says nothing about the rest).
+        late = config.mode == "async" or (config.mode == "auto" and self._fused and self._all_cuda)
         self.mode = "async" if late else "sync"
-        self._reader = LateReader() if late else SyncReader()
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        # Alone, a step is judged as soon as its vector has landed; under torch.distributed
+        # exactly two steps late on every rank (a rewind or a repair issues collectives).
+        self._reader = LateReader(fixed_lag=2 if dist else None) if late else SyncReader()
+        # Async mode cannot recount a layer after the fact: exact (float64) norms from the start.
+        self._stats = GradStats(self.layer_map, exact=late)
+        self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants (sync, fused)
+        self._gen = 0  # async: bumped by a rewind; steps of an older generation were undone in flight
 
         self._dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if self._dist else 0
@@ -187,6 +217,13 @@ class Watcher:
 
         self.detector = StreamingDetector(config.detector, self.layer_names, baseline=config.baseline)
         self.policy = Policy(config.policy or PolicyConfig())
+        if late:
+            ignored = [f.name for f in dataclasses.fields(self.policy.cfg) if f.name.startswith("on_")
+                       and f.name != "on_nonfinite_grad" and getattr(self.policy.cfg, f.name) is Action.SKIP]
+            if ignored:
+                warnings.warn(f"earlywarn: PolicyConfig {', '.join(f'{n}=skip' for n in ignored)} cannot act in "
+                              "async mode: a finite step's update is applied before its statistics arrive "
+                              "(only non-finite steps are skipped, on the device); use mode='sync' to skip spikes")
         self.metrics_config = config.metrics or MetricsConfig()
         self.events: list[Event] = []
         self.counters: dict[str, int] = {
@@ -212,6 +249,8 @@ class Watcher:
             scheduler=scheduler, scaler=self.scaler, loader=loader, extra_state=extra, emit=self._emit,
             # A rewind restores the model and the detector, not the policy's rewind budget or our counters.
             keep_on_rewind=("earlywarn_policy", "earlywarn_watcher"),
+            # Our own bookkeeping follows the judgement of a step (late in async mode), not its update.
+            late_state=("earlywarn_detector", "earlywarn_policy", "earlywarn_watcher"),
         )
 
         # Record the real backward order once (first backward), to name the first bad layer.
@@ -250,7 +289,9 @@ class Watcher:
     # ------------------------------------------------------------------ public API
     @property
     def step(self) -> int:
-        """Optimizer steps seen so far (skipped ones included; never decreases)."""
+        """Optimizer steps seen so far (skipped ones included). Never decreases, except that in
+        async mode a rewind also undoes the steps still in flight (never logged): the count goes
+        on from the incident step, as in sync mode."""
         return self._step
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
@@ -299,6 +340,7 @@ class Watcher:
         """Process a step still in flight (async mode) and push buffered sink data out."""
         for vec, tag in self._reader.drain():
             self._process(vec, tag)
+        self.recovery.settle()  # a snapshot still being copied / confirmed
         for sink in self.sinks:
             sink.flush(timeout=10.0)
 
@@ -372,6 +414,7 @@ class Watcher:
 
     def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         # [per-layer squared norms..., loss, loss scale]: one vector, one transfer.
+        fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
         layer_sq = self._stats.layer_sq_norms(inv_scale)
         dev, dt = layer_sq.device, layer_sq.dtype
         nan = torch.full((1,), math.nan, dtype=dt, device=dev)
@@ -383,8 +426,8 @@ class Watcher:
         scale = self.scaler._scale if self.scaler is not None else None
         vec = torch.cat([
             layer_sq,
-            loss.to(dev, dt, non_blocking=True).reshape(1) if reported else nan,
-            scale.to(dev, dt, non_blocking=True).reshape(1) if scale is not None else nan,
+            _onto(loss, dev, dt) if reported else nan,
+            _onto(scale, dev, dt) if scale is not None else nan,
         ])
         if self._reducer is not None:
             vec = self._all_reduce(vec, reported)
@@ -398,6 +441,7 @@ class Watcher:
         self._settle_backward_order()
         vec, reported = self._device_vector(inv_scale)
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
+        tag.inv_scale, tag.gen = inv_scale, self._gen
         self._step += 1
         return vec, tag
 
@@ -438,20 +482,21 @@ class Watcher:
         vec, tag = self._begin(inv_scale)
 
         if self._fused:
-            # Device-side skip flag: the fused kernel reads it, no host sync needed.
-            found = (~torch.isfinite(vec[:-2].sum())).to(torch.float32)
             if self.mode == "async":
-                ret = self._apply(found, args, kwargs)
-                ready = self._reader.push(vec, tag)  # the host sees this step one step late
-                if ready is not None:
-                    self._process(*ready)
+                # Device-side skip flag: the fused kernel reads it, no host sync needed. The layer
+                # norms are exact (float64), so it is set by NaN/Inf elements only.
+                found = (~torch.isfinite(vec[:-2].sum())).to(torch.float32)
+                ready = self._reader.push(vec, tag)  # this step's copy starts; earlier ones that landed
+                ret = self._apply(found, args, kwargs, record=tag)
+                for host, late_tag in ready:  # judged now, after this step's update was queued
+                    self._process(host, late_tag)
                 return ret
             host = self._read_now(vec, tag)
             decision = self._decide(host, tag)
             if decision.rewind:
                 self._run_rewind_or_repair(tag, decision)
                 return None
-            ret = self._apply(torch.ones_like(found) if decision.skip else found, args, kwargs)
+            ret = self._apply(self._skip_flag(decision.skip), args, kwargs)
             self._after_step(tag, decision)
             return ret
 
@@ -464,18 +509,29 @@ class Watcher:
         self._after_step(tag, decision)
         return ret
 
-    def _apply(self, found: torch.Tensor | None, args: Any, kwargs: Any) -> Any:
+    def _apply(self, found: torch.Tensor | None, args: Any, kwargs: Any, record: "_Tag | None" = None) -> Any:
         """Run the real optimizer step (fused: with the device skip flag), or record it when the
-        step is being decided ahead of time (:meth:`decide_step`)."""
+        step is being decided ahead of time (:meth:`decide_step`). ``record``: async mode, the
+        step whose update this is (recovery records it once it is queued)."""
         if self._deferring:
-            self._recorded = PendingStep(apply=True, found_inf=found)
+            self._recorded = PendingStep(apply=True, found_inf=found, tag=record)
             return None
-        if found is None:
-            return self._orig_step(*args, **kwargs)
+        ret = self._fused_step(found, args, kwargs) if found is not None else self._orig_step(*args, **kwargs)
+        if record is not None and record.gen == self._gen:
+            self.recovery.record_step(record.step, maybe_clean=self._maybe_clean(record.step))
+        return ret
+
+    def _fused_step(self, found: torch.Tensor, args: Any, kwargs: Any) -> Any:
         opt = self.optimizer
         prior = getattr(opt, "found_inf", None)  # GradScaler's own flag, for fused optimizers
         if isinstance(prior, torch.Tensor):
-            found = torch.maximum(found, prior.to(found.device, found.dtype))
+            # GradScaler's found_inf is a *sum* over devices (2.0 on two); the fused kernels skip
+            # only when it == 1 (and _fused_adam then subtracts it from `step`): 0 or 1, nothing else.
+            found = ((found + prior.to(found.device, found.dtype)) > 0).to(found.dtype)
+        if self._sgd_first_step() and bool(found.item()):
+            # A skipped first fused-SGD step leaves the momentum buffers torch just allocated
+            # uninitialised (empty_like): decide on the host (one read, first step only).
+            return None
         opt.found_inf = found  # type: ignore[attr-defined]
         try:
             return self._orig_step(*args, **kwargs)
@@ -484,6 +540,25 @@ class Watcher:
                 del opt.found_inf
             else:
                 opt.found_inf = prior  # type: ignore[attr-defined]
+
+    def _sgd_first_step(self) -> bool:
+        opt = self.optimizer
+        return (isinstance(opt, torch.optim.SGD) and not opt.state
+                and any(g.get("momentum", 0) != 0 for g in opt.param_groups))
+
+    def _skip_flag(self, skip: bool) -> torch.Tensor:
+        """found_inf from the host's decision (sync mode): constants made once, no copy per step.
+        On the CPU unless every parameter is on CUDA: the fused step copies found_inf to each
+        parameter's device with non_blocking=True, and a non-blocking copy to the CPU is read
+        before it lands."""
+        if self._flags is None:
+            dev = self._stats.device if self._all_cuda else torch.device("cpu")
+            self._flags = (torch.zeros((), device=dev), torch.ones((), device=dev))
+        return self._flags[int(skip)]
+
+    def _maybe_clean(self, step: int) -> bool:
+        # What is known when a step's update is queued (async mode: earlier steps judged so far).
+        return self._last_alert_step is None or step - self._last_alert_step > self.recovery.config.clean_window
 
     # ------------------------------------------------------------------ decide now, apply later
     def decide_step(self) -> "PendingStep":
@@ -503,7 +578,7 @@ class Watcher:
 
     def apply_step(self, pending: "PendingStep", *args: Any, **kwargs: Any) -> Any:
         """Apply a step decided by :meth:`decide_step` (a skipped step leaves everything as is)."""
-        return self._apply(pending.found_inf, args, kwargs) if pending.apply else None
+        return self._apply(pending.found_inf, args, kwargs, record=pending.tag) if pending.apply else None
 
     def _guarded_scaler_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._detached or optimizer is not self.optimizer or self._fused:
@@ -540,6 +615,16 @@ class Watcher:
             if self._reducer is not None:  # every rank is on this path (same vector): matched collective
                 counts = self._reducer.reduce_counts(counts, loss_reported=tag.loss_reported)
             tag.counts = counts.cpu().numpy()
+            overflowed = ~np.isfinite(host[:-2]) & (tag.counts == 0)
+            if overflowed.any():
+                # Every element finite, yet the float32 squared norm overflowed (|g| >~ 1.8e19):
+                # a huge finite gradient is a spike, not a non-finite one. Recount in float64.
+                exact = self._stats.layer_sq_norms(tag.inv_scale, exact=True)
+                if self._reducer is not None:  # every rank is on this path too
+                    pad = torch.full((2,), math.nan, dtype=exact.dtype, device=exact.device)
+                    exact = self._reducer.reduce(torch.cat([exact, pad]), loss_reported=tag.loss_reported)[:-2]
+                host = host.copy()
+                host[:-2][overflowed] = exact.cpu().numpy()[overflowed]
         return host
 
     def _observation(self, host: np.ndarray, tag: _Tag) -> Observation:
@@ -594,10 +679,22 @@ class Watcher:
         self.recovery.after_step(tag.step, clean=clean and not decision.skip)
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
-        """Async mode: a step's vector arrived a step late; the device already skipped if needed."""
+        """Async mode: a step's vector arrived late (its update, and maybe later ones, already
+        queued); the device already skipped it if it was non-finite."""
+        if tag.gen != self._gen:
+            return  # applied on a trajectory a rewind has undone since: never judged (as in sync mode)
         decision = self._decide(host, tag)
+        # The device skipped exactly the non-finite steps. A finite step's update was applied
+        # before its statistics arrived: a policy SKIP cannot be honoured, nor reported as done.
+        decision.skip = decision.nonfinite
         if decision.rewind:
+            rewinds = self.recovery.rewinds
             self._run_rewind_or_repair(tag, decision)
+            if self.recovery.rewinds != rewinds:
+                # The steps still in flight belong to the undone trajectory: never judged nor
+                # logged, so the count goes on from the incident step, as in sync mode.
+                self._gen += 1
+                self._step = self.counters["steps"] = tag.step + 1
             return
         self._after_step(tag, decision)
 
@@ -800,6 +897,7 @@ class PendingStep:
 
     apply: bool
     found_inf: torch.Tensor | None
+    tag: Any = None  # async mode: the step recovery records once the update is applied
 
 
 @dataclass

@@ -66,10 +66,12 @@ class StatsReducer:
         # After the SUM: sharded layer entries are already exact sums; replicated entries (DDP
         # layers, the loss, the loss scale) are means over ranks.
         if self._post is None or self._post.device != vec.device or self._post.dtype != vec.dtype:
-            post = torch.full(vec.shape, 1.0 / self.world_size, dtype=vec.dtype)
+            # Filled on the device (fill kernels take the value as an argument): a host-built
+            # tensor copied over would be a blocking host-to-device copy.
+            post = torch.full(vec.shape, 1.0 / self.world_size, dtype=vec.dtype, device=vec.device)
             if self.sharded:
-                post[: self.layer_map.num_layers] = 1.0
-            self._post = post.to(vec.device)
+                post[: self.layer_map.num_layers].fill_(1.0)
+            self._post = post
         return self._post
 
     def reduce(self, vec: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:

@@ -26,9 +26,10 @@ import torch
 
 from ..events import Event, Kind, Level
 from .checkpoint import CheckpointInfo, CheckpointManager, is_collective, load_checkpoint
-from .data import BatchRef, DataPositionAdapter, _Unrestorable, data_position_adapter
+from .data import BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError, Halt
-from .repair import RepairReport, StateScan, repair_optimizer_state, scan_state
+from .repair import RepairReport, StateScan, _Agree, repair_optimizer_state, scan_state
+from ._state import call_state_dict, fence_copies, local, to_host
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
 
 SINCE_SNAPSHOT = "since_snapshot"
@@ -199,6 +200,20 @@ class Blame:
         }
 
 
+@dataclass
+class _Provisional:
+    """A snapshot whose copy started before it was known to be usable: its step not yet judged
+    clean (async mode), or its device finiteness flag not yet read."""
+
+    snap: Snapshot
+    to_ring: bool
+    to_disk: bool
+    drawn: int | None
+    prev_snapshot_step: int | None
+    prev_checkpoint_step: int
+    judged: bool = False
+
+
 @dataclass(frozen=True)
 class QuarantineRecord:
     """A batch that will never be trained: it was drawn after the restored snapshot (its update
@@ -278,6 +293,14 @@ def _distributed_rank() -> int | None:
     return None
 
 
+def _on_every_rank(ok: bool, optimizer: torch.optim.Optimizer) -> bool:
+    """``ok`` and'ed over ranks (one small all-reduce under torch.distributed; rare path)."""
+    if _distributed_rank() is None:
+        return ok
+    device = local(next(p for g in optimizer.param_groups for p in g["params"])).device
+    return _Agree().sum([int(not ok)], device)[0] == 0
+
+
 def _plain(x: Any) -> Any:
     if hasattr(x, "to_dict"):
         return x.to_dict()
@@ -331,6 +354,9 @@ class Recovery:
     ``load_state_dict`` (the detector) saved and restored with the rest. ``keep_on_rewind``:
     names in ``extra_state`` that a rewind must not roll back (counters that have to remember
     the rewind itself, e.g. the policy's rate limits); they are still saved and resumed.
+    ``late_state``: names in ``extra_state`` whose state follows the *judgement* of a step, not
+    its update (the watcher's detector and counters, which see a step late in async mode): a
+    periodic snapshot copies them when its step is judged, everything else when it is taken.
     ``emit``: receives every event (repair, checkpoint, rewind, quarantine, resume).
     """
 
@@ -345,6 +371,7 @@ class Recovery:
         loader: Any = None,
         extra_state: Mapping[str, Any] | None = None,
         keep_on_rewind: Iterable[str] = (),
+        late_state: Iterable[str] = (),
         emit: Callable[[Event], None] = lambda e: None,
     ) -> None:
         self.model = model
@@ -360,6 +387,7 @@ class Recovery:
         unknown = sorted(self.keep_on_rewind - set(self.extra_state))
         if unknown:
             raise ValueError(f"keep_on_rewind names {unknown}, which are not in extra_state ({sorted(self.extra_state)})")
+        self.late_state = frozenset(late_state)
         self.emit = emit
         adapter = data_position_adapter(loader)
         self.data: DataPositionAdapter = adapter if adapter is not None else _Unrestorable(
@@ -402,6 +430,8 @@ class Recovery:
         self.rewinds = 0
         self.repairs = 0
         self.quarantine: list[QuarantineRecord] = []
+        self._provisional: _Provisional | None = None  # the snapshot being copied / confirmed
+        self._spare: Any = None  # host buffers of the last evicted snapshot, for the next copy
 
     # -- per step ------------------------------------------------------------------------------
     def _clean(self, step: int, clean: bool) -> bool:
@@ -410,10 +440,14 @@ class Recovery:
         li = self._last_incident_step
         return li is None or step - li > self.config.clean_window
 
-    def after_step(self, step: int, *, clean: bool) -> None:
-        """Call after every optimizer step (applied or skipped). ``clean``: no alert within
-        ``config.clean_window`` steps. Takes the periodic snapshot / checkpoint when due and
-        clean (a due one waits for the first clean step)."""
+    def record_step(self, step: int, *, maybe_clean: bool = True) -> None:
+        """The update of ``step`` has just been applied (or skipped), and it may not be judged yet:
+        in async mode the watcher calls this when the update is queued and :meth:`after_step`
+        once the step's statistics have been read. Records the batch drawn for the step and,
+        when a snapshot or checkpoint is due and ``maybe_clean`` (nothing known so far makes the
+        step unclean), starts a host copy of the state *as of this step*. It stays provisional
+        until ``after_step(step, clean=True)`` confirms it and its device finiteness flag has
+        been read (one step late: no host sync); one is in flight at a time."""
         self.data.observe()
         self._history[step] = self.data.last_batch()
         self._history.move_to_end(step)
@@ -421,32 +455,102 @@ class Recovery:
         self._drawn_mark = self.data.drawn()
         while len(self._history) > self.config.history:
             self._history.popitem(last=False)
+        # Under torch.distributed every rank settles here, at the same step (waiting if the copy
+        # is still in flight): what may follow is a collective (scan, repair).
+        self._settle(block=_distributed_rank() is not None)
+        if self._provisional is not None:
+            return
         cfg = self.config
         snap_due = self.ring is not None and (
             self._last_snapshot_step is None or step - self._last_snapshot_step >= cfg.snapshot_every
         )
         ckpt_due = self.checkpoints is not None and step - self._last_checkpoint_step >= cfg.checkpoint_every
-        if not (snap_due or ckpt_due) or not self._clean(step, clean):
+        if not (snap_due or ckpt_due) or not self._clean(step, maybe_clean):
             return
-        # a snapshot is only clean if it is finite: one scan (one host read) per snapshot.
-        # Poisoned state that no alert caught is repaired and the snapshot waits.
-        scan = scan_state(self.model, self.optimizer)
+        # A snapshot is only clean if it is finite: the flag is computed on the device beside the
+        # copy and read once it has landed. Poisoned state that no alert caught is repaired then.
+        host = capture_state(step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                             scaler=self.scaler, data=self._data_state(), reuse=self._spare, check_finite=True,
+                             extra={k: v for k, v in self.extra_state.items() if k not in self.late_state})
+        self._spare = None
+        self._provisional = _Provisional(Snapshot(step=step, clean=True, reason="periodic", host=host),
+                                         snap_due, ckpt_due, self.data.drawn(),
+                                         self._last_snapshot_step, self._last_checkpoint_step)
+        if snap_due:  # not due again while this one is in flight
+            self._last_snapshot_step = step
+        if ckpt_due:
+            self._last_checkpoint_step = step
+
+    def after_step(self, step: int, *, clean: bool) -> None:
+        """Call after every optimizer step (applied or skipped). ``clean``: no alert within
+        ``config.clean_window`` steps. Takes the periodic snapshot / checkpoint when due and
+        clean (a due one waits for the first clean step). A step already given to
+        :meth:`record_step` is only judged here."""
+        if self._last_step_seen is None or step > self._last_step_seen:
+            self.record_step(step, maybe_clean=clean)
+        p = self._provisional
+        if p is not None and not p.judged and p.snap.step <= step:
+            if p.snap.step < step or not self._clean(step, clean):
+                self._drop(p)  # its step was not clean (or never judged: a repair or rewind path)
+            else:
+                p.judged = True
+                # The watcher's own bookkeeping (detector, policy, counters) as of this step: in
+                # async mode it has only now seen the step whose state the copy holds.
+                late = {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in self.extra_state.items()
+                        if k in self.late_state}
+                p.snap.host.tree["extra"].update(to_host(late).tree)
+        p = self._provisional
+        if p is not None and p.judged and p.to_disk:
+            self._settle(block=True)  # a disk write needs the copy anyway: now, at its step
+        elif _distributed_rank() is None:
+            self._settle(block=False)
+
+    def settle(self) -> None:
+        """Finish the snapshot in flight, if any (waits for its copy): the ring is then current."""
+        self._settle(block=True)
+
+    def _settle(self, *, block: bool) -> None:
+        p = self._provisional
+        if p is None or not p.judged or (not block and not p.snap.host.ready()):
+            return
+        self._provisional = None
+        host = p.snap.host
+        # The device flag (agreed over ranks); if it fired, the exact host check (agreed too).
+        if host.finite() or _on_every_rank(host.owned_finite(), self.optimizer):
+            self._keep(p)
+            return
+        self._drop(p)
+        scan = scan_state(self.model, self.optimizer)  # rare path: what is poisoned now
         if not scan.clean:
             if self.config.repair:
-                self.repair(step, scan=scan)
+                self.repair(self._last_step_seen if self._last_step_seen is not None else p.snap.step, scan=scan)
             else:
-                self._last_incident_step = step
-            return
-        snap = self._capture(step, clean=True, reason="periodic", to_ring=snap_due)
-        if snap_due:
-            self._last_snapshot_step = step
-            drawn = self.data.drawn()
-            if self._incident_drawn is None or drawn is None or drawn > self._incident_drawn:
+                self._last_incident_step = self._last_step_seen
+
+    def _keep(self, p: "_Provisional") -> None:
+        snap = p.snap
+        if p.to_ring:
+            assert self.ring is not None
+            before = self.ring.entries
+            self.ring.add(snap)
+            kept = {id(s) for s in self.ring.entries}
+            # the evicted snapshot's buffers take the next copy (no fresh host memory per snapshot)
+            self._spare = next((s.host.tree for s in before if id(s) not in kept and s.clean and s.pinned == 0), None)
+            if self._incident_drawn is None or p.drawn is None or p.drawn > self._incident_drawn:
                 # clean and past the data that caused the last rewind: that rewind held
                 self._streak = 0
-        if ckpt_due:
-            self._save_disk(snap, step, clean=True, reason="periodic")
-            self._last_checkpoint_step = step
+        if p.to_disk:
+            self._save_disk(snap, snap.step, clean=True, reason="periodic")
+
+    def _drop(self, p: "_Provisional") -> None:
+        if self._provisional is p:
+            self._provisional = None
+        if p.to_ring:
+            self._last_snapshot_step = p.prev_snapshot_step  # due again
+        if p.to_disk:
+            self._last_checkpoint_step = p.prev_checkpoint_step
+        if p.snap.host.ready():  # buffers no copy writes any more: the next snapshot reuses them
+            self._spare = p.snap.host.tree
 
     def _data_state(self, pending: int = 0) -> dict[str, Any] | None:
         return self.data.state_dict(pending) if self.data.restorable else None
@@ -494,12 +598,16 @@ class Recovery:
 
         Call it either before step ``step``'s update (the watcher does: the batch drawn for it
         is then recorded as not yet trained, and the snapshot is labelled ``step - 1``) or after
-        ``after_step(step)`` (labelled ``step``). Returns the disk path, or ``"memory:<step>"``
+        ``after_step(step)`` / ``record_step(step)`` (labelled ``step``, or the last recorded step
+        when that is later: the label is always the step of the state it holds). Returns the disk path, or ``"memory:<step>"``
         without a checkpoint directory, or ``None`` when snapshots and checkpoints are off."""
         if self.ring is None and self.checkpoints is None:
             return None
-        if self._last_step_seen == step:
-            label, pending = step, 0
+        seen = self._last_step_seen
+        if seen is not None and seen >= step - 1:
+            # the state's own step: step - 1 before this step's update, step after it, or later
+            # (async mode reads a warning after more updates were applied)
+            label, pending = seen, self._pending()
         else:
             label, pending = step - 1, self._pending()
         snap = self._capture(label, clean=False, reason=reason, to_ring=self.ring is not None, pending=pending)
@@ -555,6 +663,8 @@ class Recovery:
         reset poisoned optimizer coordinates (see :mod:`earlywarn.recover.repair`), copy poisoned
         parameter coordinates back from the last clean snapshot, verify.
         ``report.needs_rewind``: parameters could not be fixed."""
+        self._settle(block=True)  # a snapshot still in flight is the newest copy source
+        fence_copies()  # and none may still be reading what the repair writes
         scan = scan if scan is not None else scan_state(self.model, self.optimizer)
         if scan.clean:
             return RepairReport(scan, [], [], scan, step)
@@ -628,6 +738,13 @@ class Recovery:
                                    f"batches: lower the learning rate or inspect the quarantined batches in "
                                    f"{self.quarantine_path}, then resume from the last clean checkpoint.",
                              "rewinds_exhausted")
+        self._settle(block=True)  # a confirmed snapshot still in flight is a candidate too
+        if self._provisional is not None:  # never judged: taken at or after the incident step
+            self._drop(self._provisional)
+        # Async mode: updates applied after the incident step, before the watcher read it. Their
+        # batches are not the incident's: trained again where the loader can seek, else quarantined.
+        in_flight = [s for s in self._history if s > step]
+        last = max([step, *in_flight])
         target = self._pick_target(step)
         if target is None:
             raise self._halt(step, f"{reason} at step {step}; no snapshot or checkpoint to rewind to (the first "
@@ -639,10 +756,15 @@ class Recovery:
             assert self.checkpoints is not None and isinstance(src, CheckpointInfo)
             state, source = self.checkpoints.load(src)["state"], str(src.path)
         skip = None if cfg.rewind_skip_batches == SINCE_SNAPSHOT else int(cfg.rewind_skip_batches)
+        incident_drawn = self.data.drawn()
+        if skip is None and in_flight and isinstance(self.data, ResumableAdapter):
+            since = self.data.since(state.get("data")) or []
+            through = self._skip_through(step, since)
+            if through is not None:  # the data goes on right after the incident's batch, as in sync mode
+                skip, incident_drawn = through, incident_drawn - (len(since) - through)
         if skip is not None and not self.data.restorable:
             raise self._halt(step, f"{reason} at step {step}; cannot rewind with rewind_skip_batches={skip}: "
                                    f"{self.data.why_not}", "data_position")
-        incident_drawn = self.data.drawn()
         pre = scan_state(self.model, self.optimizer)  # what the incident left (rare path: one read)
         if blame_d is not None and not blame_d.get("layer") and pre.first_layer:
             blame_d["layer"] = pre.first_layer
@@ -658,7 +780,7 @@ class Recovery:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
-        records = self._quarantine_records(refs, t_step, step, reason)
+        records = self._quarantine_records(refs, t_step, step, reason, last=last)
         self._streak += 1
         self.rewinds += 1
         self._last_target_step = t_step
@@ -696,9 +818,19 @@ class Recovery:
                         signal=reason, values={"batches": float(len(records))}, batch=first))
         return report
 
-    def _quarantine_records(self, refs: list[BatchRef] | None, t_step: int, step: int, reason: str) -> list[QuarantineRecord]:
+    def _skip_through(self, step: int, since: list[BatchRef]) -> int | None:
+        """Of the batches ``since`` a snapshot, how many up to the one of ``step`` (None: unknown)."""
+        ref = self._history.get(step)
+        if ref is None:
+            return None
+        hits = [i for i, b in enumerate(since) if (b.epoch, b.batch_index) == (ref.epoch, ref.batch_index)]
+        return hits[-1] + 1 if hits else None
+
+    def _quarantine_records(self, refs: list[BatchRef] | None, t_step: int, step: int, reason: str,
+                            last: int | None = None) -> list[QuarantineRecord]:
         if refs is None:  # identities unknown: one record per step drawn since the snapshot
-            return [QuarantineRecord(step, reason, None, None, None, s) for s in range(t_step + 1, step + 1)]
+            end = step if last is None else last
+            return [QuarantineRecord(step, reason, None, None, None, s) for s in range(t_step + 1, end + 1)]
         drew = {(b.epoch, b.batch_index): s for s, b in self._history.items() if b is not None and s > t_step}
         cur = self.data.last_batch()
         if cur is not None and (cur.epoch, cur.batch_index) not in drew and step not in self._history:
@@ -783,6 +915,7 @@ class Recovery:
         self._last_checkpoint_step = step
         if self.ring is not None:
             self.ring.clear()
+        self._provisional = self._spare = None
         self.emit(Event(step=step, kind=Kind.RESUME, level=Level.INFO,
                         message=f"resumed from {path} at step {step}", signal="resume"))
         return step
@@ -812,6 +945,7 @@ class Recovery:
         raise CheckpointError(f"no readable clean checkpoint in {self.checkpoints.directory}: " + "; ".join(errors))
 
     def close(self) -> None:
-        """Wait for a background checkpoint write (raises its error)."""
+        """Finish the snapshot in flight; wait for a background checkpoint write (raises its error)."""
+        self._settle(block=True)
         if self.checkpoints is not None:
             self.checkpoints.close()
