@@ -87,7 +87,7 @@ class DetectorConfig:
     at 0), so only a run of steps above ``drift_k`` scales accumulates; one spike adds at most
     ``spike_z - drift_k`` and then drains away."""
 
-    together_k: float = 0.25
+    together_k: float = 0.5
     """Drift allowance of the *together* evidence, a one-sided CUSUM: each step adds
     ``min(z_grad, z_loss, admit_z) - together_k`` (floored at 0), where ``z_grad`` is the larger of
     the global grad norm's and the update norm's z. Only steps where the gradient *and* the loss
@@ -96,7 +96,13 @@ class DetectorConfig:
     at most ``admit_z - together_k`` (2.75 < ``drift_h``): a single bad batch, loss and gradient
     up at once and then back, never warns on its own."""
 
-    drift_h: float = 3.0
+    together_cap: float = 3.0
+    """Most one step adds to the together evidence (before ``together_k`` is taken off), in
+    scales. A hard batch lifts the loss and the gradient at once (in a small-batch or
+    regression run they move together from batch to batch); a cap below ``drift_h`` makes a
+    warning need several such steps in a row, which batch noise does not give."""
+
+    drift_h: float = 4.0
     """A ``warning`` when the together evidence reaches this: the lead-up to a divergence, the
     grad norm and the loss rising together for a few steps (both ~1.75 scales up for two steps,
     or ~1 scale for four). Chosen on the development corpus of ``benchmarks/detection.py`` in the
@@ -107,6 +113,31 @@ class DetectorConfig:
     """One run-level signal whose CUSUM (``drift_k``) reaches this makes a ``warning`` on its own:
     sustained growth (about thirteen consecutive steps at spike level; the healthy llm.c run has
     an 8-step plateau at 1.5x that recovers)."""
+
+    update_alone_h: float = 40.0
+    """The same for the update norm and the parameter norm, when ``update_warns``."""
+
+    loss_only_h: float = 8.0
+    """For a log with the loss and no gradient-type signal (issue 14 item 4: loss-only logs):
+    the loss's CUSUM (``drift_k``) that makes a ``warning`` on its own, a loss that keeps rising
+    for several steps (when a gradient is logged the together rule judges the loss instead)."""
+
+    update_warns: bool = False
+    """Whether the update norm and the parameter norm (where a log or ``extras`` has them) take
+    part in the warning rules: standing in for the gradient in the together evidence when their
+    z is the larger, escalating, rising alone (``update_alone_h``). Off by default: on the
+    detection corpus they follow the learning rate (a re-warmed LR lifts the update norm of a
+    run that survives it), which the LR rule already judges, and they added false alarms, not
+    detections. Either way they are tracked: their spikes are reported as info."""
+
+    lr_jump_ratio: float = 10.0
+    """A ``warning`` when the learning rate of a step (``extras["lr"]``) is at least this
+    multiple of the highest LR the run had been at ``lr_ref_steps`` or more steps earlier (an
+    LR pulse or a steep re-warm-up beyond anything the run has survived; a warm-up, a decay or
+    a restart to an old peak never qualifies). ``inf`` turns the rule off."""
+
+    lr_ref_steps: int = 10
+    """How many steps a learning rate must lie back to count as one the run has survived."""
 
     layers_at_once: int = 0
     """Elevated layers at one step that make a ``warning`` (several layers at once); 0 turns the
@@ -121,8 +152,13 @@ class DetectorConfig:
     loss_diverge_ratio: float = 1.5
     """``critical`` LOSS_DIVERGED when the loss stays at or above this ratio to its baseline ..."""
 
-    loss_diverge_steps: int = 2
-    """... for this many consecutive steps."""
+    loss_diverge_z: float = 4.0
+    """... and at least this many of its own robust scales above it (its step-to-step noise: a
+    batch-8 classification loss or an MSE at its floor wobbles by 2-3x, a large LM's loss by 1%) ..."""
+
+    loss_diverge_steps: int = 8
+    """... for this many consecutive steps (a rewind needs more than the two-step excursions that
+    healthy noisy runs make)."""
 
     rearm_steps: int = 10
     """Steps after a warning before another may be raised. A warning consumes the evidence that
@@ -146,24 +182,29 @@ class DetectorConfig:
 
         for name in ("warmup_steps", "escalate_steps", "loss_diverge_steps",
                      "rearm_steps", "readapt_steps", "overflow_steps", "max_layers_listed",
-                     "layers_at_once"):
+                     "layers_at_once", "lr_ref_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(name, "use an int")
+        if not isinstance(self.update_warns, bool):
+            bad("update_warns", "use True or False")
+        if self.lr_ref_steps < 1:
+            bad("lr_ref_steps", "use at least 1")
         for name in ("alpha", "scale_alpha"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 < v <= 1.0):
                 bad(name, "use a rate in (0, 1], e.g. 0.05")
-        for name in ("min_scale", "loss_min_scale", "prior_scale", "admit_z", "spike_z"):
+        for name in ("min_scale", "loss_min_scale", "prior_scale", "admit_z", "spike_z", "loss_diverge_z",
+                     "together_cap"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 bad(name, "use a finite number > 0")
-        for name in ("drift_h", "drift_alone_h"):
+        for name in ("drift_h", "drift_alone_h", "update_alone_h", "loss_only_h"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0) or math.isnan(v):
                 bad(name, "use a number > 0 (inf turns the rule off)")
         for name in ("spike_ratio", "loss_spike_ratio", "growth", "loss_growth", "warn_ratio",
-                     "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio"):
+                     "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio", "lr_jump_ratio"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 1.0) or math.isnan(v):
                 bad(name, "use a ratio >= 1 (value / baseline)")
@@ -202,7 +243,9 @@ class DetectorConfig:
         kw = {}
         for k, v in d.items():
             default = known[k].default
-            if isinstance(default, float) and isinstance(v, (str, int)) and not isinstance(v, bool):
+            if isinstance(default, bool):
+                pass  # validated as it is
+            elif isinstance(default, float) and isinstance(v, (str, int)) and not isinstance(v, bool):
                 v = float(v)  # "inf" from JSON, or an int where a float is meant
             kw[k] = v
         return cls(**kw)
