@@ -24,8 +24,15 @@ What is alarming is *escalation*, not one spike:
   Per-layer signals never warn on their own (small layers are spiky); they name the layers that
   moved. A warning consumes its evidence; another may follow ``rearm_steps`` later if the rise
   goes on.
-- ``critical``: NONFINITE_GRAD (before the optimizer step), LOSS_NONFINITE, LOSS_DIVERGED, or a
-  loss scaler that keeps overflowing.
+- ``warning`` COLLAPSE_RISK on the learning rate (``extras["lr"]``): a step's LR at least
+  ``lr_jump_ratio`` times the highest LR of the steps ``lr_ref_steps`` back (a pulse or a steep
+  re-warm-up; seen before the update it scales). A log with the loss and no gradient: the loss
+  rising for several steps on its own (``loss_only_h``).
+- ``critical``: NONFINITE_GRAD (before the optimizer step), LOSS_NONFINITE, LOSS_DIVERGED (the
+  loss at least ``loss_diverge_ratio`` times its baseline *and* ``loss_diverge_z`` of its own
+  scales above it for ``loss_diverge_steps`` steps in a row: a noisy small-batch loss is judged
+  in its own noise, and a two-step excursion is never a divergence), or a loss scaler that keeps
+  overflowing. A loss <= 0 moves the loss channel to ``log(loss + c)`` (see ``_shift_loss``).
 
 Spikes, skipped steps, overflow steps and non-finite values never enter a baseline.
 """
@@ -758,7 +765,7 @@ class Detector:
         y = np.full(n, _NAN)
         if loss is not None:
             lv = float(loss)
-            if lv + w.loss_shift <= 0.0:  # finite and <= 0 (NaN fails <=): re-base the loss channel
+            if lv + w.loss_shift <= 0.0 and lv > -math.inf:  # finite and <= 0: re-base the loss channel
                 self._shift_loss(w, lv)
         for c, v in enumerate((g, loss, u, p)):
             if v is not None:
@@ -814,6 +821,9 @@ class Detector:
         # -- baseline update: admitted values only, winsorised (same arithmetic as _calm_rows) ----
         if not skipped:
             adm = present & ~elev  # spikes never enter; the rest enters winsorised
+            if w.loss_div and adm[LOSS] and warm[LOSS] and dev[LOSS] >= self._log_div and \
+                    dev[LOSS] * self._A / wd[LOSS] >= self._div_z:
+                adm[LOSS] = False  # a divergence under way (its 2nd step on) does not become the baseline
             P2 = np.empty((2, n))
             R2 = np.empty((2, n))
             np.fmin(np.fmax(dev, -wd), wd, out=P2[0])
@@ -844,6 +854,7 @@ class Detector:
         # -- run-level CUSUMs and the together evidence (frozen on skipped steps) -------------
         cus = list(w.cus)
         joint = w.joint
+        m_now = _NAN  # this step's together evidence (both above their baselines when > 0)
         if not skipped:
             kd, S = cfg.drift_k, float(cfg.spike_z)
             for c in range(N_FIXED):
@@ -857,7 +868,8 @@ class Detector:
                 if pwf[c] and (zgl is None or (cfg.update_warns and zf[c] > zgl)):
                     zgl = zf[c]
             if zgl is not None and pwf[LOSS]:
-                joint = joint + min(zgl, zf[LOSS], self._tcap) - cfg.together_k
+                m_now = min(zgl, zf[LOSS])
+                joint = joint + min(m_now, self._tcap) - cfg.together_k
                 joint = joint if joint > 0.0 else 0.0
 
         # -- streaks --------------------------------------------------------------------------
@@ -964,7 +976,7 @@ class Detector:
             elif dev_g[peak] > w.ep_peak_dev:
                 w.ep_peak_step, w.ep_peak_chan, w.ep_peak_dev = step, peak, float(dev_g[peak])
         if since >= cfg.rearm_steps and not skipped:
-            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump)
+            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump, m_now > 0.0)
             if ev is not None:
                 alerts.append(ev)
                 since = 0
@@ -1055,7 +1067,7 @@ class Detector:
         return tuple(out[: self.cfg.max_layers_listed])
 
     def _warning(self, obs, w: _Work, elev, dev, z, x, y, cus, joint, prev4,
-                 k: _Consts, pattern: int, lr_jump) -> Event | None:
+                 k: _Consts, pattern: int, lr_jump, rising_now: bool) -> Event | None:
         """A COLLAPSE_RISK event if a warning rule holds at this step, else None."""
         cfg = self.cfg
         hl = self._alone_h if pattern & 5 else self._loss_only_h
@@ -1067,7 +1079,7 @@ class Detector:
         fx = k.warns  # per-layer signals never warn on their own
         esc = fx & elev & (grow >= cfg.escalate_steps) & (dev >= k.lwarn)
         jump = fx & elev & k.gradlike & (dev >= self._log_jump)
-        together = joint >= cfg.drift_h
+        together = joint >= cfg.drift_h and rising_now  # not on the step the values came back
         n_hot_layers = 0
         multi = False
         if w.nl and cfg.layers_at_once:
