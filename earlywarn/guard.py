@@ -160,13 +160,13 @@ class Watcher:
         }
         self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
         self._loss: torch.Tensor | None = None
-        self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
         self._last_alert_step: int | None = None
         self._incident_start: tuple[int, Any] | None = None  # (step, batch) of the first alert of an episode
         self._scaler_observed: tuple[bool] | None = None
         self._deferring = False
         self._recorded: PendingStep | None = None
         self._detached = False
+        self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
 
         self.sinks: list[Sink] = []  # built last: a config error must not leave a tracker run open
 
