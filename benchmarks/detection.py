@@ -685,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
         cands = candidates(base)
         ev = evaluate(runs, cands, a.view)
         folds, pooled = lofo(runs, ev)
+        print(f"\nthe candidate settings, in sample (tuning families):\n{HEAD}")
+        for e in ev:
+            print(row(e.name[:28], total(runs, e.results, in_tuning)) + ("" if e.real_ok else "  (llm.c/BLOOM FAIL)"))
         print(f"\nleave-one-family-out ({len(cands)} candidate settings; each family scored with the setting "
               "chosen on all the others):")
         print(f"{'family (setting chosen)':28s}" + HEAD[28:])

@@ -238,7 +238,7 @@ def test_learning_rate_reads_the_largest_group_lr_without_syncing():
     assert learning_rate(opt) is None
 
 
-@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\(\)` has been overridden")
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
 def test_watch_feeds_the_step_lr_and_warns_on_a_pulse_before_its_update():
     torch = pytest.importorskip("torch")
     import earlywarn

@@ -94,20 +94,14 @@ class DetectorConfig:
 
     together_k: float = 0.5
     """Drift allowance of the *together* evidence, a one-sided CUSUM: each step adds
-    ``min(z_grad, z_loss, together_cap) - together_k`` (floored at 0), ``z_grad`` the global grad
+    ``min(z_grad, z_loss, admit_z) - together_k`` (floored at 0), ``z_grad`` the global grad
     norm's z (or the update norm's, see ``update_warns``). Only steps where the gradient *and* the
     loss are both above their baselines add; a grad-norm spike with a flat loss (the healthy llm.c
     run) or a noisy loss with a flat gradient drains it. One step adds at most
-    ``together_cap - together_k`` (2.5 < ``drift_h``): a single bad batch, loss and gradient up at
+    ``admit_z - together_k`` (2.5 < ``drift_h``): a single bad batch, loss and gradient up at
     once and then back, never warns on its own. 0.5 rather than 0.25: in small-batch,
     classification and regression runs the loss and the gradient move together from batch to
     batch, and 0.25 let that noise add up (leave-one-family-out choice)."""
-
-    together_cap: float = 3.0
-    """Most one step adds to the together evidence (before ``together_k`` is taken off), in
-    scales. A hard batch lifts the loss and the gradient at once (in a small-batch or
-    regression run they move together from batch to batch); a cap below ``drift_h`` makes a
-    warning need several such steps in a row, which batch noise does not give."""
 
     drift_h: float = 5.0
     """A ``warning`` when the together evidence reaches this, on a step where both are still
@@ -209,8 +203,7 @@ class DetectorConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 < v <= 1.0):
                 bad(name, "use a rate in (0, 1], e.g. 0.05")
-        for name in ("min_scale", "loss_min_scale", "prior_scale", "admit_z", "spike_z", "loss_diverge_z",
-                     "together_cap"):
+        for name in ("min_scale", "loss_min_scale", "prior_scale", "admit_z", "spike_z", "loss_diverge_z"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 bad(name, "use a finite number > 0")

@@ -281,8 +281,7 @@ class Detector:
         self._kd, self._tk, self._spike_z = float(c.drift_k), float(c.together_k), float(c.spike_z)
         self._drift_h, self._alone_h = float(c.drift_h), float(c.drift_alone_h)
         # each step's evidence is winsorised at admit_z, as values entering a baseline are
-        self._A = float(c.admit_z)
-        self._tcap = float(min(c.together_cap, c.admit_z))
+        self._tcap = self._A = float(c.admit_z)
         self._alone_u = float(c.update_alone_h) if c.update_warns else math.inf
         self._loss_only_h = float(c.loss_only_h)
         self._lr_jump, self._lr_k = float(c.lr_jump_ratio), int(c.lr_ref_steps)
