@@ -144,6 +144,12 @@ def main() -> None:
     print(f"{'earlywarn guard cost, paired (60 reps)':45s} {guard_cost * 1e3:9.2f} -> {1 + guard_cost / base:.4f}x of the bare step")
     ms, mn = statistics.median(t_stats), statistics.median(t_norm)
     print(f"{'earlywarn stats pass (norms + 1 host read)':45s} {ms * 1e3:9.2f} {ms / mn:7.3f}x of one bare torch._foreach_norm ({mn * 1e3:.2f} ms)")
+    # the step's LR for the detector (issue 14): a host read of param_groups, inside the guard cost above
+    import timeit
+
+    from earlywarn.capture.updates import learning_rate
+    t_lr = min(timeit.repeat(lambda: learning_rate(guarded_opt), number=1000, repeat=5)) / 1000
+    print(f"{'LR capture (host read of param_groups)':45s} {t_lr * 1e6:9.2f} us -> {1 + t_lr / base:.6f}x of the bare step")
     ew.close()
     if wandb_run is not None:
         wandb_run.finish()

@@ -30,6 +30,7 @@ import torch
 from earlywarn.capture.gradstats import GradStats
 from earlywarn.capture.grouping import GroupBy, build_layer_map
 from earlywarn.capture.hostread import LateReader, SyncReader
+from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
 from earlywarn.events import Event, Kind, Level
 from earlywarn.metrics import MetricsConfig, build_metrics
@@ -239,6 +240,7 @@ class Watcher:
         self._deferring = False
         self._recorded: PendingStep | None = None
         self._detached = False
+        self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
 
         self.sinks: list[Sink] = []  # built last: a config error must not leave a tracker run open
 
@@ -431,6 +433,9 @@ class Watcher:
         ])
         if self._reducer is not None:
             vec = self._all_reduce(vec, reported)
+        # the LR this step is taken with (a host number: no device work), kept until the step's
+        # vector is read (a step later in async mode, when the scheduler has moved on)
+        self._step_lr[self._step] = learning_rate(self.optimizer)
         return vec, reported
 
     def _all_reduce(self, vec: torch.Tensor, reported: bool) -> torch.Tensor:
@@ -633,6 +638,11 @@ class Watcher:
         total = float(np.sqrt(layer_sq.sum()))
         nonfinite = tag.counts if tag.counts is not None else (~np.isfinite(layer_sq)).astype(np.float64)
         extras = {"loss_scale": float(host[-1])} if self.scaler is not None else {}
+        lr = self._step_lr.pop(tag.step, None)
+        for k in [k for k in self._step_lr if k < tag.step]:
+            del self._step_lr[k]  # steps never read (a rewind dropped them)
+        if lr is not None:
+            extras["lr"] = lr
         loss = float(host[-2]) if tag.loss_reported else None
         return Observation(step=tag.step, grad_norm=total, layer_norms=layer_norms, loss=loss,
                            layer_nonfinite=nonfinite, skipped=not math.isfinite(total),
