@@ -490,7 +490,8 @@ class Watcher:
             if self.mode == "async":
                 # Device-side skip flag: the fused kernel reads it, no host sync needed. The layer
                 # norms are exact (float64), so it is set by NaN/Inf elements only.
-                found = (~torch.isfinite(vec[:-2].sum())).to(torch.float32)
+                layer_sq = vec[:-2]
+                found = (~torch.isfinite(layer_sq.sum()) | (layer_sq.amax() > _SQ_OVERFLOW)).to(torch.float32)
                 ready = self._reader.push(vec, tag)  # this step's copy starts; earlier ones that landed
                 ret = self._apply(found, args, kwargs, record=tag)
                 for host, late_tag in ready:  # judged now, after this step's update was queued
@@ -653,9 +654,10 @@ class Watcher:
         alerts = self.detector.observe(obs)
         actions = set(self.policy.decide(tag.step, alerts))
         nonfinite = not obs.grad_finite
+        overflow = not nonfinite and bool(np.any(host[:-2] > _SQ_OVERFLOW))
         decision = _Decision(obs=obs, alerts=alerts, actions=actions,
-                             skip=nonfinite or Action.SKIP in actions,
-                             rewind=Action.REWIND in actions, nonfinite=nonfinite)
+                             skip=nonfinite or overflow or Action.SKIP in actions,
+                             rewind=Action.REWIND in actions, nonfinite=nonfinite, overflow=overflow)
         for alert in alerts:
             self._emit(alert)
         if Action.HALT in actions:
@@ -696,7 +698,7 @@ class Watcher:
         decision = self._decide(host, tag)
         # The device skipped exactly the non-finite steps. A finite step's update was applied
         # before its statistics arrived: a policy SKIP cannot be honoured, nor reported as done.
-        decision.skip = decision.nonfinite
+        decision.skip = decision.nonfinite or decision.overflow  # what the device flag skipped
         if decision.rewind:
             rewinds = self.recovery.rewinds
             self._run_rewind_or_repair(tag, decision)
@@ -765,6 +767,10 @@ class Watcher:
             if tag.counts is not None:
                 what += f", {int(np.nansum(obs.layer_nonfinite))} element(s)"
             what += ")"
+        elif decision.overflow:
+            huge = [self.layer_names[i] for i in np.flatnonzero(decision.obs.layer_norms ** 2 > _SQ_OVERFLOW)]
+            what = (f"huge finite gradient in {huge[0]!r} (norm {decision.obs.grad_norm:.3g}: its square overflows "
+                    "float32, so the optimizer's second moments would turn inf)")
         else:
             what = "gradient spike"
         # Without a restorable loader the batch is known only by its position in the step count.
@@ -918,6 +924,13 @@ class _Decision:
     skip: bool
     rewind: bool
     nonfinite: bool
+    overflow: bool = False  # finite, but a layer's squared norm overflows float32 (|g| >~ 1.8e19)
+
+
+# A finite gradient whose square overflows float32 poisons every second-moment state (Adam's v,
+# Adagrad's sum, Adafactor's row/col variances become inf, then NaN): it is skipped like a
+# non-finite one, and reported as the huge finite spike it is.
+_SQ_OVERFLOW = float(np.finfo(np.float32).max)
 
 
 def _reason(decision: _Decision) -> str:

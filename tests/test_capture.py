@@ -15,7 +15,7 @@ import earlywarn
 from earlywarn.capture.gradstats import GradStats, gather_device
 from earlywarn.capture.grouping import build_layer_map
 from earlywarn.capture.hostread import HOST_WAITS, LateReader
-from earlywarn.events import Kind
+from earlywarn.events import Kind, Level
 from earlywarn.recover import Recovery, RecoveryConfig, ResumableLoader
 from earlywarn.recover._state import to_host
 from earlywarn.recover.snapshot import capture_state
@@ -132,13 +132,18 @@ def test_huge_finite_gradient_is_a_spike_not_nonfinite(mode):
             before = model.hidden.weight.detach().clone()
         opt.step()
         if i == 2:
-            assert not torch.equal(before, model.hidden.weight)  # applied: a finite step
+            # skipped, as a spike: its square would make Adam's exp_avg_sq inf (then NaN updates)
+            assert torch.equal(before, model.hidden.weight)
     ew.flush()
     obs = next(o for o in seen if o.step == 2)
     assert obs.grad_finite and math.isclose(obs.grad_norm, 1e20, rel_tol=1e-6)
     assert not np.any(obs.layer_nonfinite)
-    assert ew.counters["nonfinite_steps"] == 0 and ew.counters["skipped_steps"] == 0
-    assert not [e for e in ew.events if e.kind in (Kind.NONFINITE_GRAD, Kind.SKIP)]
+    assert ew.counters["nonfinite_steps"] == 0 and ew.counters["skipped_steps"] == 1
+    assert not [e for e in ew.events if e.kind is Kind.NONFINITE_GRAD]
+    skips = [e for e in ew.events if e.kind is Kind.SKIP]
+    assert len(skips) == 1 and skips[0].level == Level.WARNING and skips[0].step == 2
+    assert "huge finite gradient in 'hidden' (norm 1e+20: its square overflows float32" in skips[0].message
+    assert all(bool(torch.isfinite(v).all()) for st in opt.state.values() for v in st.values())
     ew.close()
 
 
