@@ -285,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         screen.line(f"  MLflow UI             {mlflow_ui_command(mlflow_uri)}")
         screen.line(f"                        then open http://127.0.0.1:5000 (it takes up to a minute to start), "
                     f"experiment '{EXPERIMENT}'")
+    if args.tracker == "wandb":
+        screen.line(f"  W&B run files         {out / 'wandb'}{os.sep} (wandb sync uploads an offline run)")
     screen.line(f"  event log (JSONL)     {out / 'events.jsonl'}")
-    screen.line(f"  quarantine list       {out / 'quarantine.jsonl'}")
+    quarantine = out / "quarantine.jsonl"
+    screen.line(f"  quarantine list       {quarantine if quarantine.exists() else '(none: no rewind skipped a batch)'}")
     screen.line(f"  checkpoints           {out / 'checkpoints'}{os.sep}")
     return 0 if finite else 1
 
