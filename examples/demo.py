@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poison-step", type=int, default=150)
     ap.add_argument("--tracker", choices=["mlflow", "wandb", "none"], default="mlflow")
     ap.add_argument("--out", default="earlywarn_demo",
-                    help="folder for everything the demo writes (event log, checkpoints, quarantine list, MLflow store, picture)")
+                    help="folder for everything the demo writes (event log, checkpoints, quarantine list, MLflow "
+                         "store, picture); a rerun replaces its files there, MLflow keeps every run")
     # one thread: a 0.37M-parameter model gains little from two, and loses 5x when the cores are busy
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
+    # A rerun starts its own log, quarantine list and checkpoints (MLflow keeps every run).
+    for old in [out / "events.jsonl", out / "quarantine.jsonl", out / "run.png", *out.glob("checkpoints/step-*")]:
+        old.unlink(missing_ok=True)
     screen = Screen(args.steps)
 
     text = stdlib_text(600_000)
