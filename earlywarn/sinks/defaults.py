@@ -70,10 +70,13 @@ def mlflow_configured() -> bool:
     mlflow = sys.modules.get("mlflow")
     if mlflow is None:
         return False
-    try:
-        return bool(mlflow.is_tracking_uri_set() or mlflow.active_run() is not None)
-    except Exception:  # noqa: BLE001 - an mlflow without these: treat as not configured
-        return False
+    for check in (getattr(mlflow, "is_tracking_uri_set", None), lambda: mlflow.active_run() is not None):
+        try:
+            if check is not None and check():
+                return True
+        except Exception:  # noqa: BLE001 - an mlflow without it: ask the next question
+            continue
+    return False
 
 
 def embedded_mlflow_uri(folder: Path | None = None) -> str:
