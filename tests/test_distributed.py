@@ -567,6 +567,9 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
             restored = same(at6, local_state(model, opt))
         positions.append(loader.position.to_dict())
     rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    # Each rank writes its own quarantine list after the rewind's last collective: wait for the
+    # other rank before listing the shared directory (it may still be writing its file).
+    torch.distributed.barrier()
     out["watch"] = {"rewinds": [e.step for e in rewinds], "messages": [e.message for e in rewinds],
                     "restored": restored, "positions": positions, "events": events(ew),
                     "entries": sorted(p.name for p in (tmp / "run").iterdir()),

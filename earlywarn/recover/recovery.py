@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 import torch
 
 from ..events import Event, Kind, Level
+from ..sinks.defaults import output_dir
 from .checkpoint import CheckpointInfo, CheckpointManager, is_collective, load_checkpoint
 from .data import BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError, Halt
@@ -94,7 +95,8 @@ class RecoveryConfig:
     one snapshot further back."""
     quarantine_path: str | None = None
     """JSONL file listing every skipped batch; default ``<checkpoint_dir>/quarantine.jsonl``,
-    or ``./earlywarn_quarantine.jsonl`` without a checkpoint directory. Written only when a
+    or ``quarantine.jsonl`` in earlywarn's output folder (``./earlywarn_output/``, see
+    ``earlywarn.sinks.defaults.output_dir``) without a checkpoint directory. Written only when a
     batch is quarantined."""
     history: int = 4096
     """Steps for which the batch drawn is remembered (for blame and quarantine)."""
@@ -416,8 +418,8 @@ class Recovery:
             self.quarantine_path = ckpt_dir / (f"quarantine.rank{rank}.jsonl" if cfg.collective and rank is not None
                                                else "quarantine.jsonl")
         else:
-            self.quarantine_path = Path.cwd() / ("earlywarn_quarantine.jsonl" if rank is None
-                                                 else f"earlywarn_quarantine.rank{rank}.jsonl")
+            self.quarantine_path = output_dir() / ("quarantine.jsonl" if rank is None
+                                                   else f"quarantine.rank{rank}.jsonl")
         self._history: OrderedDict[int, BatchRef | None] = OrderedDict()
         self._last_step_seen: int | None = None  # last after_step(step): the state's step
         self._drawn_mark = self.data.drawn()  # batches drawn as of that step (None: unknown)
