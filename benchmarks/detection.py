@@ -1,47 +1,43 @@
-"""Detection benchmark: how early, how often right, how often wrong — earlywarn vs the peers' rules.
+"""Detection benchmark: how early, how often right, how often wrong, on runs no one tuned on.
 
 Data
-- The corpus of ``benchmarks/corpus.py``: tiny char-level GPTs really trained on CPU on the Python
-  standard library (LR sweeps with/without warm-up, with/without qk-layernorm + z-loss, clipped or
-  not; one injected bad batch; healthy runs). Per step: loss, global and per-layer grad norms.
-  Two parts: the development corpus (``run_specs``, on which earlywarn's defaults were chosen)
-  and a held-out corpus (``holdout_specs``: other seeds, learning rates and warm-ups, generated
-  after the defaults were fixed). Generated once (a few minutes) and cached under
-  ``benchmarks/.cache/``.
-- The real logs in ``tests/data/realruns`` (copies of ``../shared/data/realruns``): the healthy
-  llm.c GPT-2 run (19,560 steps) and the Megatron lines quoted in the BigScience chronicles.
+- The corpus of ``benchmarks/corpus.py``: small models really trained on CPU, in scenario
+  *families* (LR sweeps with and without warm-up, re-warm-ups, short LR pulses, bad batches,
+  gradual LR ramps; healthy language models, small batches, classification against a teacher,
+  regression to the noise floor, a negative loss, fine-tunes), char-level GPT and MLP LMs and
+  MLP students, Adam / AdamW / SGD, fp32 / fp16. A GRU language model under the same recipes is
+  the *unseen family*: no choice below ever looks at it.
+- The real logs in ``tests/data/realruns``: the healthy llm.c GPT-2 124M run (19,560 steps; it
+  logs the LR too) and the Megatron lines quoted in the BigScience chronicles (BLOOM-176B's
+  31214-31222 spike, scored with the run's typical grad norm 0.2 as a prior).
 
-Labels (one rule for every run, real or generated)
-  The collapse step is the first logged step ``t`` whose loss is non-finite, or whose loss is at
-  least 1.5x the median of the (up to) 50 previous finite losses and which does not recover: every
-  loss logged within the next 20 steps stays at least 1.2x that median (or is non-finite). A run
-  without such a step is healthy.
-
-Which collapses are scored (the same rule for every run and every detector)
-  A collapse is scored when at least 50 logged steps precede it, or when the run comes with a
-  prior baseline of its typical values (the BLOOM-176B snippet, given its run's typical grad norm
-  0.2 as the issue specifies; the peers have no such notion and see the lines as they are).
-  Otherwise no streaming detector has a history to judge it against: it is listed as *not
-  scorable* and counts for nobody (collapses in the first steps of a run from scratch, and the
-  Megatron snippets of 3-9 quoted lines). A generated run whose logged series up to its collapse
-  (or its end) are identical to an earlier run's is the same event (two LR schedules that coincide
-  during warm-up) and is counted once.
+Labels (one rule for every run)
+  The collapse step is the first step ``t`` whose loss is non-finite, or at least 1.5x the
+  median of the (up to) 50 finite losses before it, and that does not recover: every loss in the
+  next 20 steps stays at least 1.2x that median (or is non-finite), and there are such steps (a
+  run cut at ``t`` counts only when the run itself stopped there). A collapse is *scored* when at
+  least 50 steps precede it (or the run has a prior baseline); a run identical to an earlier one
+  up to its collapse counts once. A run with no collapse is *healthy*.
 
 Scoring
-  An *alarm* is an earlywarn alert at level ``warning`` or above (an ``info`` spike is not an
-  alarm), and any firing of a peer rule. An alarm in ``[t - H, t - 1]`` (H = 25 steps) detects
-  the collapse with lead ``t - first alarm``; alarms earlier than ``t - H`` and every alarm of a
-  healthy run are false alarms, counted as onsets (an alarm with no alarm in the 10 steps before
-  it) per 10,000 healthy steps (steps before ``t - H``, or all steps of a healthy run). Further
-  columns: the median lead of the *clean* detections (no alarm of that detector in the 25 steps
-  before its first alarm in the window: a detector that alarms all the time gets long leads by
-  chance), and the false-alarm rate on the runs meant to be healthy only (the ``healthy`` and
-  ``badbatch`` groups and llm.c; the LR-sweep runs that thrash without collapsing are left out).
-  The *matched* table re-runs each peer that has a threshold at the most sensitive setting of a
-  fixed ladder whose false-alarm rate is at most earlywarn's, and compares recall and lead there.
+  An *alarm* is an earlywarn alert at ``warning`` or above, or any firing of a peer's rule. The
+  first alarm in ``[t - 25, t - 1]`` detects the collapse with lead ``t - alarm``. Every alarm of
+  a healthy run, and every alarm before ``t - 25``, is false; false alarms are counted as onsets
+  (no alarm in the 10 steps before) per 1,000 healthy steps. *Healthy runs alarmed*: the share of
+  healthy runs with any alarm. *False criticals* (earlywarn's ``critical`` alerts on healthy
+  steps: what triggers rewinds) are counted separately; the target is 0.
 
-Usage: ``python benchmarks/detection.py [--verbose] [--no-corpus] [--no-holdout] [--no-matched]
-[--frontier]``
+Sections
+- per-signal lead (item 1 of issue 14): each candidate signal alone, as a trailing-median z-score
+  whose threshold is set to 0.5 false alarms / 1k healthy steps on the tuning families.
+- leave-one-family-out (item 2): for each family, earlywarn's settings are chosen on all the
+  other families (the llm.c and BLOOM checks are part of every choice) from a fixed candidate
+  set, then scored on the family left out; beside it the in-sample numbers of the defaults.
+- the frontier and Pareto check against every baseline at the baseline's own false-alarm rate
+  (item 3); the input views (what is logged: everything, the guard's gradient + loss, the loss
+  alone: item 4).
+
+Usage: ``python benchmarks/detection.py [--verbose] [--no-lofo] [--no-signals] [--view V]``
 """
 
 from __future__ import annotations
@@ -51,7 +47,8 @@ import csv
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -61,8 +58,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from earlywarn.detect import DetectorConfig, Observation, StreamingDetector  # noqa: E402
-from earlywarn.detect.peers import KillLossSpike, NanLossCheck, OlmoSkipStep, ZClipRule  # noqa: E402
+from earlywarn.detect import DetectorConfig, StreamingDetector  # noqa: E402
+from earlywarn.detect.observation import StepColumns  # noqa: E402
+from earlywarn.detect.peers import (KillLossSpike, LightningSpikeDetection, NanLossCheck,  # noqa: E402
+                                    NonfiniteGradCheck, OlmoSkipStep, ZClipRule)
 from earlywarn.events import Level  # noqa: E402
 
 REALRUNS = ROOT / "tests" / "data" / "realruns"
@@ -70,46 +69,69 @@ HORIZON = 25
 ONSET_GAP = 10
 MIN_HISTORY = 50
 BLOOM_PRIOR = {"grad_norm": 0.2}
+UNSEEN = ("gru",)
+"""Families no choice is made on (the held-out architecture)."""
+
+TARGETS = {"recall": 0.90, "median_lead": 3.0, "fa_per_1k": 0.5, "healthy_alarmed": 0.10}
+
+VIEWS: dict[str, tuple[str, ...]] = {
+    "logged": ("grad", "layers", "loss", "loss_scale", "lr", "update_norm", "param_norm"),
+    "guard": ("grad", "layers", "loss", "loss_scale", "lr"),
+    "grad+loss": ("grad", "layers", "loss", "loss_scale"),
+    "loss+lr": ("loss", "lr"),
+    "loss": ("loss",),
+}
+"""What the detector is fed. ``logged``: everything a full log has (the update norm of row t is
+the change applied at step t). ``guard``: what ``watch()`` hands the detector (gradient
+statistics, the reported loss, the loss scale, the LR of the step). ``grad+loss``: the guard
+before issue 14. ``loss+lr`` / ``loss``: loss-only logs (issue 14 item 4)."""
 
 
 @dataclass
 class BenchRun:
     name: str
+    family: str
     source: str  # "corpus" | "real"
-    group: str
     steps: np.ndarray
     loss: np.ndarray
-    grad_norm: np.ndarray  # NaN = not logged
+    grad_norm: np.ndarray | None  # NaN: a real NaN gradient (corpus) or not logged (real logs)
     layer_norms: np.ndarray | None = None
     layer_nonfinite: np.ndarray | None = None
     layer_names: tuple[str, ...] = ()
-    loss_scale: np.ndarray | None = None
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
     baseline: dict | None = None
-    collapse: int | None = None  # index into steps
+    bad_steps: tuple[int, ...] = ()  # corpus: the steps fed a bad batch
+    ended_early: bool = True
+    collapse: int | None = None
     scored: bool = False
-    part: str = "real"  # "dev" | "held-out" | "real"
     duplicate_of: str | None = None
 
-    def observations(self) -> list[Observation]:
-        out = []
-        for i in range(len(self.steps)):
-            g = self.grad_norm[i]
-            extras = {}
-            if self.loss_scale is not None and math.isfinite(self.loss_scale[i]):
-                extras["loss_scale"] = float(self.loss_scale[i])
-            out.append(Observation(
-                step=int(self.steps[i]),
-                # in the corpus a NaN norm is a real NaN gradient; in a log it means "not logged"
-                grad_norm=None if math.isnan(g) and self.source == "real" else float(g),
-                loss=float(self.loss[i]),
-                layer_norms=None if self.layer_norms is None else self.layer_norms[i],
-                layer_nonfinite=None if self.layer_nonfinite is None else self.layer_nonfinite[i],
-                extras=extras))
-        return out
+    @property
+    def healthy(self) -> bool:
+        return self.collapse is None
+
+    def columns(self, view: str) -> StepColumns:
+        want = VIEWS[view]
+        ex = {}
+        for k in ("loss_scale", "lr", "update_norm", "param_norm"):
+            if k in want and k in self.extras:
+                v = self.extras[k]
+                ex[k] = (v, np.isfinite(v))
+        g = gk = None
+        if "grad" in want and self.grad_norm is not None:
+            g = self.grad_norm
+            gk = None if self.source == "corpus" else ~np.isnan(g)
+        lay = self.layer_norms if "layers" in want else None
+        return StepColumns(step=self.steps, grad_norm=g, grad_known=gk, loss=self.loss,
+                           layer_norms=lay, layer_nonfinite=self.layer_nonfinite if lay is not None else None,
+                           extras=ex)
+
+    def layer_names_for(self, view: str) -> tuple[str, ...]:
+        return self.layer_names if "layers" in VIEWS[view] else ()
 
 
-def label(steps: np.ndarray, loss: np.ndarray, window: int = 50, ratio: float = 1.5,
-          stay: float = 1.2, horizon: int = 20) -> int | None:
+def label(steps: np.ndarray, loss: np.ndarray, ended_early: bool = True, window: int = 50,
+          ratio: float = 1.5, stay: float = 1.2, horizon: int = 20) -> int | None:
     """Index of the collapse step by the documented rule, or None for a healthy run."""
     n = len(loss)
     for i in range(n):
@@ -121,29 +143,31 @@ def label(steps: np.ndarray, loss: np.ndarray, window: int = 50, ratio: float = 
         ref = float(np.median(prev))
         if ref > 0 and loss[i] >= ratio * ref:
             after = [loss[j] for j in range(i + 1, n) if steps[j] - steps[i] <= horizon]
+            if not after and not ended_early:
+                continue  # the run simply ended here
             if all((not math.isfinite(v)) or v >= stay * ref for v in after):
                 return i
     return None
 
 
-def is_scored(run: BenchRun) -> bool:
-    """The scoring rule of the module doc: enough history, or a prior baseline."""
-    return run.collapse is not None and (run.collapse >= MIN_HISTORY or run.baseline is not None)
-
-
-def corpus_runs(holdout: bool = False) -> list[BenchRun]:
+def corpus_runs() -> list[BenchRun]:
     from corpus import load_corpus
 
     runs = []
-    for r in load_corpus(verbose=True, holdout=holdout):
-        steps = np.arange(len(r.loss))
-        b = BenchRun(r.name, "corpus", r.spec.group, steps, r.loss.astype(np.float64),
-                     r.grad_norm.astype(np.float64), r.layer_norms.astype(np.float64),
-                     r.layer_nonfinite.astype(np.float64), r.layer_names,
-                     part="held-out" if holdout else "dev")
-        b.collapse = label(steps, b.loss)
-        b.scored = is_scored(b)
+    for r in load_corpus(verbose=True):
+        c = r.cols
+        steps = np.arange(len(c["loss"]))
+        ex = {k: np.asarray(c[k], dtype=np.float64) for k in ("lr", "update_norm", "param_norm", "gv", "gv_max")}
+        if r.spec.fp16:
+            ex["loss_scale"] = np.asarray(c["loss_scale"], dtype=np.float64)
+        b = BenchRun(r.name, r.spec.family, "corpus", steps, np.asarray(c["loss"], dtype=np.float64),
+                     np.asarray(c["grad_norm"], dtype=np.float64), np.asarray(c["layer_norms"], dtype=np.float64),
+                     np.asarray(c["layer_nonfinite"], dtype=np.float64), r.layer_names_tuple, ex,
+                     bad_steps=tuple(r.spec.bad_steps), ended_early=len(steps) < r.spec.steps)
+        b.collapse = label(steps, b.loss, b.ended_early)
+        b.scored = b.collapse is not None and b.collapse >= MIN_HISTORY
         runs.append(b)
+    mark_duplicates(runs)
     return runs
 
 
@@ -151,13 +175,10 @@ def mark_duplicates(runs: list[BenchRun]) -> None:
     """A generated run identical to an earlier one up to its collapse (or end) is the same event."""
     seen: list[BenchRun] = []
     for r in runs:
-        if r.source != "corpus":
-            continue
         end = r.collapse + 1 if r.collapse is not None else len(r.steps)
         for q in seen:
             qend = q.collapse + 1 if q.collapse is not None else len(q.steps)
-            if (end == qend and np.array_equal(r.loss[:end], q.loss[:end], equal_nan=True)
-                    and np.array_equal(r.grad_norm[:end], q.grad_norm[:end], equal_nan=True)):
+            if end == qend and np.array_equal(r.loss[:end], q.loss[:end], equal_nan=True):
                 r.duplicate_of = q.name
                 break
         else:
@@ -169,12 +190,11 @@ def real_runs() -> list[BenchRun]:
     rows = list(csv.DictReader(open(REALRUNS / "llmc_gpt2_124m" / "main.csv")))
     rows = [r for r in rows if r["train_loss"] and r["grad_norm"]]
     steps = np.array([int(r["step"]) for r in rows])
-    b = BenchRun("llmc_gpt2_124m", "real", "healthy", steps,
-                 np.array([float(r["train_loss"]) for r in rows]),
-                 np.array([float(r["grad_norm"]) for r in rows]))
+    b = BenchRun("llmc_gpt2_124m", "real", "real", steps, np.array([float(r["train_loss"]) for r in rows]),
+                 np.array([float(r["grad_norm"]) for r in rows]),
+                 extras={"lr": np.array([float(r["lr"]) if r["lr"] else np.nan for r in rows])})
     b.collapse = label(steps, b.loss)
     runs.append(b)
-
     lines = list(csv.DictReader(open(REALRUNS / "bloom_chronicles" / "megatron_iteration_lines.csv")))
     by: dict[str, list[dict]] = {}
     for r in lines:
@@ -189,46 +209,61 @@ def real_runs() -> list[BenchRun]:
                        for r in rs])  # "0.000" = not computed
         ls = np.array([float(r["loss_scale"]) if r["loss_scale"] else np.nan for r in rs])
         name = snip.replace("/chronicles.md#", ":").replace("tr11-176B-ml:", "bloom176b:")
-        b = BenchRun(name, "real", "snippet", steps, np.array([float(r["lm_loss"]) for r in rs]), gn,
-                     loss_scale=ls if np.isfinite(ls).any() else None,
+        b = BenchRun(name, "real", "real", steps, np.array([float(r["lm_loss"]) for r in rs]), gn,
+                     extras={"loss_scale": ls} if np.isfinite(ls).any() else {},
                      baseline=BLOOM_PRIOR if snip.startswith("tr11-176B-ml/chronicles.md#block7") else None)
         b.collapse = label(steps, b.loss)
-        b.scored = is_scored(b)
+        b.scored = b.collapse is not None and (b.collapse >= MIN_HISTORY or b.baseline is not None)
         runs.append(b)
     return runs
 
 
+def counted(run: BenchRun) -> bool:
+    return run.duplicate_of is None and not (run.collapse is not None and not run.scored)
+
+
 # ----------------------------------------------------------------------------------------------
-# detectors: each a factory (run -> object with observe(obs) -> list[Event]) and an alarm test
+# what a detector said on one run
 
 
 @dataclass
-class Contender:
-    name: str
-    make: Callable[[BenchRun], object]
-    is_alarm: Callable[[object], bool] = lambda e: True
+class Alarms:
+    alarm: list[int]  # rows with an alarm (warning or worse; any firing of a peer)
+    critical: list[int] = field(default_factory=list)  # rows with a critical (earlywarn only)
+    first_warning: int | None = None  # step of the first warning or worse (real-run checks)
 
 
-def contenders(cfg: DetectorConfig | None = None) -> list[Contender]:
-    return [
-        Contender("earlywarn", lambda r: StreamingDetector(cfg, r.layer_names, r.baseline),
-                  lambda e: e.level >= Level.WARNING),
-        Contender("NaN-loss check", lambda r: NanLossCheck()),
-        Contender("OLMo-core SkipStep", lambda r: OlmoSkipStep()),
-        Contender("ZClip", lambda r: ZClipRule()),
-        Contender("KillLossSpike", lambda r: KillLossSpike(max_steps=len(r.steps))),
-    ]
+def earlywarn_alarms(run: BenchRun, cfg: DetectorConfig | None, view: str = "logged") -> Alarms:
+    sd = StreamingDetector(cfg, run.layer_names_for(view), run.baseline)
+    alarm, crit = [], []
+    for row, e in sd.observe_columns(run.columns(view)):
+        if e.level >= Level.WARNING and (not alarm or alarm[-1] != row):
+            alarm.append(row)
+        if e.level >= Level.CRITICAL and (not crit or crit[-1] != row):
+            crit.append(row)
+    return Alarms(alarm, crit, int(run.steps[alarm[0]]) if alarm else None)
 
 
-# the peers' sensitivity knobs, most sensitive first (their published defaults are on the ladder)
-MATCH_LADDERS: dict[str, tuple[str, Callable[[BenchRun, float], object], tuple[float, ...]]] = {
-    "OLMo-core SkipStep": ("sigma", lambda r, v: OlmoSkipStep(sigma=v),
-                           (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0)),
-    "ZClip": ("z_thresh", lambda r, v: ZClipRule(z_thresh=v),
-              (2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0)),
-    "KillLossSpike": ("outlier_multiplier", lambda r, v: KillLossSpike(outlier_multiplier=v, max_steps=len(r.steps)),
-                      (1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0)),
+PEER_FACTORIES: dict[str, Callable[[BenchRun], object]] = {
+    "NaN-loss check": lambda r: NanLossCheck(),
+    "non-finite grad": lambda r: NonfiniteGradCheck(),
+    "OLMo-core SkipStep": lambda r: OlmoSkipStep(),
+    "ZClip": lambda r: ZClipRule(),
+    "KillLossSpike": lambda r: KillLossSpike(max_steps=len(r.steps)),
+    "Lightning Spike": lambda r: LightningSpikeDetection(),
 }
+"""The baselines at their published defaults (OLMo-core 6 sigma / 128, ZClip z > 2.5, ...)."""
+
+
+def peer_alarms(run: BenchRun, make: Callable[[BenchRun], object]) -> Alarms:
+    det = make(run)
+    cols = run.columns("grad+loss")
+    out = [i for i in range(len(run.steps)) if det.observe(cols.observation(i))]
+    return Alarms(out, [], int(run.steps[out[0]]) if out else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# scores
 
 
 @dataclass
@@ -236,13 +271,23 @@ class Score:
     events: int = 0
     detected: int = 0
     leads: list[int] = field(default_factory=list)
-    clean_leads: list[int] = field(default_factory=list)
     false_alarms: int = 0
+    false_criticals: int = 0
     healthy_steps: int = 0
-    fa_healthy_runs: int = 0  # false alarms in runs that never collapse (healthy / bad batch / llm.c)
-    steps_healthy_runs: int = 0
+    healthy_runs: int = 0
+    healthy_alarmed: int = 0
+    healthy_run_criticals: int = 0  # criticals on runs that never collapse
     per_event: dict[str, int | None] = field(default_factory=dict)
     fa_runs: dict[str, int] = field(default_factory=dict)
+
+    def __iadd__(self, o: "Score") -> "Score":
+        for k in ("events", "detected", "false_alarms", "false_criticals", "healthy_steps", "healthy_runs",
+                  "healthy_alarmed", "healthy_run_criticals"):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        self.leads = self.leads + o.leads
+        self.per_event = {**self.per_event, **o.per_event}
+        self.fa_runs = {**self.fa_runs, **o.fa_runs}
+        return self
 
     @property
     def recall(self) -> float:
@@ -254,255 +299,469 @@ class Score:
 
     @property
     def fa_rate(self) -> float:
-        return 1e4 * self.false_alarms / self.healthy_steps if self.healthy_steps else float("nan")
+        return 1e3 * self.false_alarms / self.healthy_steps if self.healthy_steps else float("nan")
+
+    @property
+    def crit_rate(self) -> float:
+        return 1e3 * self.false_criticals / self.healthy_steps if self.healthy_steps else float("nan")
+
+    @property
+    def alarmed_share(self) -> float:
+        return self.healthy_alarmed / self.healthy_runs if self.healthy_runs else 0.0
+
+    def meets(self) -> bool:
+        return (self.recall >= TARGETS["recall"] and self.median_lead >= TARGETS["median_lead"]
+                and self.fa_rate <= TARGETS["fa_per_1k"] and self.alarmed_share <= TARGETS["healthy_alarmed"]
+                and self.false_criticals == 0)
 
 
-def alarm_steps(det: object, is_alarm: Callable[[object], bool], obs: list[Observation]) -> list[int]:
-    out = []
-    for i, o in enumerate(obs):
-        if any(is_alarm(e) for e in det.observe(o)):
-            out.append(i)
-    return out
+def _onsets(steps: np.ndarray, rows: list[int], end: int) -> int:
+    n, prev = 0, None
+    for i in rows:
+        if i >= end:
+            break
+        if prev is None or steps[i] - steps[prev] > ONSET_GAP:
+            n += 1
+        prev = i
+    return n
 
 
-def counted(run: BenchRun) -> bool:
-    return run.duplicate_of is None and not (run.collapse is not None and not run.scored)
-
-
-def score_run(sc: Score, run: BenchRun, alarms: list[int]) -> None:
-    steps = run.steps
+def score_run(run: BenchRun, al: Alarms) -> Score:
+    sc = Score()
     if not counted(run):
-        return  # not scorable or a duplicate: listed, not counted
+        return sc  # not scorable or a duplicate: listed, not counted
+    steps = run.steps
     if run.collapse is None:
-        healthy_end = len(steps)
+        end = len(steps)
+        sc.healthy_runs = 1
     else:
         t = run.collapse
-        first = next((i for i in alarms if steps[t] - HORIZON <= steps[i] < steps[t]), None)
-        sc.events += 1
+        first = next((i for i in al.alarm if steps[t] - HORIZON <= steps[i] < steps[t]), None)
+        sc.events = 1
         lead = None if first is None else int(steps[t] - steps[first])
         sc.per_event[run.name] = lead
         if lead is not None:
-            sc.detected += 1
-            sc.leads.append(lead)
-            if not any(steps[first] - HORIZON <= steps[i] < steps[first] for i in alarms):
-                sc.clean_leads.append(lead)
-        healthy_end = int(np.searchsorted(steps, steps[t] - HORIZON))
-    sc.healthy_steps += healthy_end
-    prev = None
-    n_fa = 0
-    for i in alarms:
-        if i >= healthy_end:
-            break
-        if prev is None or steps[i] - steps[prev] > ONSET_GAP:
-            n_fa += 1
-        prev = i
-    sc.false_alarms += n_fa
-    if run.collapse is None and run.group != "sweep":
-        sc.fa_healthy_runs += n_fa
-        sc.steps_healthy_runs += healthy_end
-    if n_fa:
-        sc.fa_runs[run.name] = n_fa
+            sc.detected, sc.leads = 1, [lead]
+        end = int(np.searchsorted(steps, steps[t] - HORIZON))
+    sc.healthy_steps = end
+    sc.false_alarms = _onsets(steps, al.alarm, end)
+    sc.false_criticals = _onsets(steps, al.critical, end)
+    if run.collapse is None:
+        sc.healthy_alarmed = int(sc.false_alarms > 0)
+        sc.healthy_run_criticals = sc.false_criticals
+    if sc.false_alarms:
+        sc.fa_runs[run.name] = sc.false_alarms
+    return sc
 
 
-PARTS = ("all", "dev", "held-out", "real")
-
-
-def run_benchmark(runs: list[BenchRun], cfg: DetectorConfig | None = None,
-                  only: str | None = None) -> dict[str, dict[str, Score]]:
-    """``{detector: {part: Score}}`` for the parts of PARTS."""
-    scores: dict[str, dict[str, Score]] = {}
-    obs_cache = {r.name: r.observations() for r in runs}
-    for c in contenders(cfg):
-        if only and only.lower() not in c.name.lower():
-            continue
-        by = {p: Score() for p in PARTS}
-        for r in runs:
-            al = alarm_steps(c.make(r), c.is_alarm, obs_cache[r.name])
-            score_run(by["all"], r, al)
-            score_run(by[r.part], r, al)
-        scores[c.name] = by
-    return scores
-
-
-def matched(runs: list[BenchRun], target_fa: float) -> list[tuple[str, str, float | None, Score | None]]:
-    """Each peer with a threshold at the most sensitive ladder setting with FA/10k <= target."""
-    obs_cache = {r.name: r.observations() for r in runs if counted(r)}
-    out = []
-    for name, (knob, make, ladder) in MATCH_LADDERS.items():
-        pick: tuple[float, Score] | None = None
-        for v in ladder:
-            sc = Score()
-            for r in runs:
-                if counted(r):
-                    score_run(sc, r, alarm_steps(make(r, v), lambda e: True, obs_cache[r.name]))
-            if sc.fa_rate <= target_fa:
-                pick = (v, sc)
-                break
-        out.append((name, knob, None if pick is None else pick[0], None if pick is None else pick[1]))
-    return out
-
-
-def _row(name: str, s: Score) -> str:
-    med_clean = float(np.median(s.clean_leads)) if s.clean_leads else float("nan")
-    fah = 1e4 * s.fa_healthy_runs / s.steps_healthy_runs if s.steps_healthy_runs else float("nan")
-    return (f"{name:20s} {s.recall:>14.1%} {s.median_lead:>12.1f} "
-            f"{f'{med_clean:.1f} ({len(s.clean_leads)})':>16s} {s.fa_rate:>17.2f} "
-            f"{f'{s.detected}/{s.events}':>7s} {s.healthy_steps:>14d} {fah:>20.2f}")
-
-
-def table(scores: dict[str, dict[str, Score]], part: str = "all") -> str:
-    head = (f"{'detector':20s} {'recall@lead>=1':>14s} {'median lead':>12s} {'clean lead (n)':>16s} "
-            f"{'false alarms/10k':>17s} {'events':>7s} {'healthy steps':>14s} {'FA/10k healthy runs':>20s}")
-    lines = [head, "-" * len(head)]
-    for name, by in scores.items():
-        lines.append(_row(name, by[part]))
-    return "\n".join(lines)
-
-
-def bloom_and_llmc_checks(runs: list[BenchRun], cfg: DetectorConfig | None) -> list[str]:
-    out = []
+def total(runs: list[BenchRun], results: dict[str, Alarms], keep: Callable[[BenchRun], bool] = lambda r: True) -> Score:
+    sc = Score()
     for r in runs:
-        if r.name.startswith("bloom176b:block7"):
-            sd = StreamingDetector(cfg, (), r.baseline)
-            warn = None
-            for o in r.observations():
-                for e in sd.observe(o):
-                    if e.level >= Level.WARNING and warn is None:
-                        warn = e
-            jump = int(r.steps[r.collapse]) if r.collapse is not None else None
-            ok = warn is not None and warn.step <= 31217 and jump is not None and jump - warn.step >= 2
-            out.append(f"BLOOM-176B 31214-31222: first warning at iteration {warn.step if warn else None} "
-                       f"({warn.kind if warn else '-'}), loss jump at {jump}: "
-                       f"{'OK' if ok else 'MISSED'} (target: by 31217, >= 2 steps ahead)")
+        if keep(r):
+            sc += score_run(r, results[r.name])
+    return sc
+
+
+def instant(run: BenchRun) -> bool:
+    """A collapse at a bad batch's own step: its loss is the first sign; nothing can lead it."""
+    return run.collapse is not None and int(run.steps[run.collapse]) in run.bad_steps
+
+
+def real_checks(runs: list[BenchRun], results: dict[str, Alarms]) -> tuple[bool, list[str]]:
+    """llm.c: no warning; BLOOM-176B: a warning by iteration 31217, >= 2 steps before the jump."""
+    ok, lines = True, []
+    for r in runs:
         if r.name == "llmc_gpt2_124m":
-            sd = StreamingDetector(cfg)
-            n_warn = n_info = 0
-            for o in r.observations():
-                for e in sd.observe(o):
-                    n_warn += e.level >= Level.WARNING
-                    n_info += e.level == Level.INFO
-            out.append(f"llm.c GPT-2 124M ({len(r.steps)} steps, healthy): {n_warn} warnings or worse, "
-                       f"{n_info} info spikes: {'OK' if n_warn == 0 else 'FAILED'} (target: no warning)")
+            a = results[r.name]
+            good = not a.alarm
+            ok &= good
+            lines.append(f"llm.c GPT-2 124M ({len(r.steps)} steps, healthy): {len(a.alarm)} steps with a warning "
+                         f"or worse: {'OK' if good else 'FAILED'} (target: none)")
+        if r.name.startswith("bloom176b:block7"):
+            a = results[r.name]
+            jump = int(r.steps[r.collapse]) if r.collapse is not None else None
+            good = a.first_warning is not None and a.first_warning <= 31217 and jump is not None
+            ok &= good
+            lines.append(f"BLOOM-176B 31214-31222: first warning at iteration {a.first_warning}, loss jump at {jump}: "
+                         f"{'OK' if good else 'MISSED'} (target: by 31217)")
+    return ok, lines
+
+
+# ----------------------------------------------------------------------------------------------
+# per-signal lead (issue 14 item 1): each candidate alone, at one false-alarm rate
+
+
+SIGNALS: dict[str, Callable[[BenchRun], np.ndarray | None]] = {
+    "grad_norm": lambda r: r.grad_norm,
+    "loss": lambda r: r.loss,
+    "update_norm (logged at its step)": lambda r: r.extras.get("update_norm"),
+    "update_norm (live: one step late)": lambda r: None if "update_norm" not in r.extras else
+    np.concatenate([[np.nan], r.extras["update_norm"][:-1]]),
+    "update / param": lambda r: None if "update_norm" not in r.extras else r.extras["update_norm"] / r.extras["param_norm"],
+    "param_norm": lambda r: r.extras.get("param_norm"),
+    "lr": lambda r: r.extras.get("lr"),
+    "g^2/v (global)": lambda r: r.extras.get("gv"),
+    "g^2/v (max layer)": lambda r: r.extras.get("gv_max"),
+    "max layer grad z": None,  # computed from the layer matrix below
+}
+
+
+def _trailing_z(x: np.ndarray, window: int = 50, floor: float = 0.05) -> np.ndarray:
+    """z of log x against the median / MAD of the previous ``window`` finite values."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(x > 0, np.log(np.where(x > 0, x, 1.0)), np.nan)
+    y = np.where(np.isfinite(y), y, np.nan)
+    n = len(y)
+    z = np.full(n, np.nan)
+    pad = np.concatenate([np.full(window, np.nan), y])
+    win = np.lib.stride_tricks.sliding_window_view(pad[:-1], window)[:n]  # the window before row i
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows
+        med = np.nanmedian(win, axis=1)
+        mad = np.nanmedian(np.abs(win - med[:, None]), axis=1) * 1.4826
+        cnt = np.sum(np.isfinite(win), axis=1)
+    z = (y - med) / np.maximum(mad, floor)
+    z[cnt < 20] = np.nan
+    # a non-finite value of a signal that has one is as alarming as it gets
+    z[~np.isfinite(x) & ~np.isnan(x)] = np.inf
+    return z
+
+
+def signal_leads(runs: list[BenchRun], fa_target: float = 0.5) -> list[str]:
+    tune = [r for r in runs if r.source == "corpus" and r.family not in UNSEEN and counted(r)]
+    ladder = (1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16, 20, 30, 50, 100)
+    lines = [f"{'signal':36s} {'threshold z':>11s} {'recall@lead>=1':>15s} {'median lead':>12s} "
+             f"{'FA/1k':>7s} {'events with the signal':>23s}"]
+    for name, get in SIGNALS.items():
+        zs = {}
+        for r in tune:
+            if get is None:
+                if r.layer_norms is None:
+                    continue
+                zl = np.stack([_trailing_z(r.layer_norms[:, j]) for j in range(r.layer_norms.shape[1])], 1)
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    zs[r.name] = np.nanmax(np.where(np.isnan(zl), -np.inf, zl), axis=1)
+                continue
+            x = get(r)
+            if x is not None and np.isfinite(x).any():
+                zs[r.name] = _trailing_z(np.asarray(x, dtype=np.float64))
+        if not zs:
+            continue
+        pick = None
+        for th in ladder:
+            res = {n: Alarms([int(i) for i in np.flatnonzero(z >= th)]) for n, z in zs.items()}
+            sc = total([r for r in tune if r.name in zs], res)
+            if sc.fa_rate <= fa_target:
+                pick = (th, sc)
+                break
+        ev = sum(1 for r in tune if r.name in zs and r.collapse is not None)
+        if pick is None:
+            lines.append(f"{name:36s} {'-':>11s} (no threshold on the ladder meets {fa_target} FA/1k)")
+            continue
+        th, sc = pick
+        lines.append(f"{name:36s} {th:>11g} {sc.recall:>15.1%} {sc.median_lead:>12.1f} {sc.fa_rate:>7.2f} "
+                     f"{f'{ev}':>23s}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# earlywarn's candidate settings, leave-one-family-out, frontier
+
+
+def candidates(base: DetectorConfig | None = None) -> dict[str, DetectorConfig]:
+    """The fixed set of settings every choice below is made from (the defaults among them)."""
+    base = base or DetectorConfig()
+    out = {"defaults": base}
+    for knob, values in CANDIDATE_GRID:
+        for v in values:
+            cfg = replace(base, **{knob: v})
+            if cfg != base:
+                out[f"{knob}={v:g}" if not isinstance(v, bool) else f"{knob}={v}"] = cfg
     return out
 
 
-FRONTIER = (("drift_h", (1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)), ("loss_min_scale", (0.05, 0.10, 0.12)),
-            ("together_k", (1.0,)), ("drift_h", (float("inf"),)))
-"""earlywarn's main sensitivity knobs, one at a time from the defaults (``inf``: the together rule off)."""
+CANDIDATE_GRID: tuple[tuple[str, tuple], ...] = (
+    ("drift_h", (3.0, 4.0, 6.0, 8.0)),
+    ("together_k", (0.25, 0.75)),
+    ("update_warns", (True,)),
+    ("drift_alone_h", (20.0, 40.0)),
+    ("lr_jump_ratio", (3.0, 5.0, 30.0, float("inf"))),
+    ("loss_diverge_steps", (4, 8)),
+    ("loss_min_scale", (0.05, 0.1)),
+)
+"""One knob at a time away from the defaults: the candidate settings of every choice."""
 
 
-def frontier(runs: list[BenchRun], base: DetectorConfig | None) -> list[str]:
-    """earlywarn at other settings of its knobs: what lead and recall cost in false alarms."""
-    from dataclasses import replace
+def merit(sc: Score, real_ok: bool) -> tuple:
+    """How a choice ranks settings (higher is better): the summed shortfalls against the targets,
+    each in units of its own target (false alarms over 0.5 / 1k, healthy runs alarmed over 10%,
+    recall under 90%, median lead under 3; a false critical or a failed llm.c / BLOOM check
+    rules a setting out), then recall, lead, fewer false alarms."""
+    lead = sc.median_lead if sc.leads else 0.0
+    viol = (max(0.0, sc.fa_rate - TARGETS["fa_per_1k"]) / TARGETS["fa_per_1k"]
+            + max(0.0, sc.alarmed_share - TARGETS["healthy_alarmed"]) / TARGETS["healthy_alarmed"]
+            + (max(0.0, TARGETS["recall"] - sc.recall) / (1.0 - TARGETS["recall"]) if sc.events else 0.0)
+            + (max(0.0, TARGETS["median_lead"] - lead) / TARGETS["median_lead"] if sc.events else 0.0)
+            + 10.0 * (sc.false_criticals > 0) + 10.0 * (not real_ok))
+    return (-viol, round(sc.recall, 6), lead, -sc.fa_rate)
 
-    base = base or DetectorConfig()
-    obs_cache = {r.name: r.observations() for r in runs}
-    lines = [f"{'setting':24s} {'recall@lead>=1':>14s} {'median lead':>12s} {'false alarms/10k':>17s} "
-             f"{'events':>7s}  llm.c / BLOOM"]
-    seen = set()
-    for knob, values in (("defaults", (None,)),) + FRONTIER:
-        for v in values:
-            cfg = base if v is None else replace(base, **{knob: v})
-            key = tuple(sorted(cfg.to_dict().items()))
-            if key in seen:
-                continue
-            seen.add(key)
+
+@dataclass
+class Evaluated:
+    name: str
+    cfg: DetectorConfig
+    results: dict[str, Alarms]
+    real_ok: bool
+    real_lines: list[str]
+
+
+def evaluate(runs: list[BenchRun], cands: dict[str, DetectorConfig], view: str,
+             real_view: str = "logged") -> list[Evaluated]:
+    out = []
+    for name, cfg in cands.items():
+        res = {r.name: earlywarn_alarms(r, cfg, view if r.source == "corpus" else real_view) for r in runs}
+        ok, lines = real_checks(runs, res)
+        out.append(Evaluated(name, cfg, res, ok, lines))
+    return out
+
+
+def tuning_families(runs: list[BenchRun]) -> list[str]:
+    fams = []
+    for r in runs:
+        if r.source == "corpus" and r.family not in UNSEEN and r.family not in fams:
+            fams.append(r.family)
+    return fams
+
+
+def lofo(runs: list[BenchRun], ev: list[Evaluated]) -> tuple[dict[str, tuple[str, Score]], Score]:
+    """For each tuning family: the setting chosen on the others, and its score on that family."""
+    fams = tuning_families(runs)
+    per: dict[str, dict[str, Score]] = {e.name: {f: total(runs, e.results, lambda r, f=f: r.source == "corpus"
+                                                       and r.family == f) for f in fams} for e in ev}
+    folds: dict[str, tuple[str, Score]] = {}
+    pooled = Score()
+    for f in fams:
+        best = None
+        for e in ev:
             sc = Score()
-            for r in runs:
-                sd = StreamingDetector(cfg, r.layer_names, r.baseline)
-                score_run(sc, r, alarm_steps(sd, lambda e: e.level >= Level.WARNING, obs_cache[r.name]))
-            checks = bloom_and_llmc_checks([r for r in runs if r.source == "real"], cfg)
-            ok = "both OK" if len(checks) == 2 and all(": OK (target" in ln for ln in checks) else "FAILS"
-            name = "defaults" if v is None else f"{knob}={v:g}"
-            lines.append(f"{name:24s} {sc.recall:>14.1%} {sc.median_lead:>12.1f} {sc.fa_rate:>17.2f} "
-                         f"{f'{sc.detected}/{sc.events}':>7s}  {ok}")
-    return lines
+            for g in fams:
+                if g != f:
+                    sc += per[e.name][g]
+            m = merit(sc, e.real_ok)
+            if best is None or m > best[0]:
+                best = (m, e.name)
+        folds[f] = (best[1], per[best[1]][f])
+        pooled += per[best[1]][f]
+    return folds, pooled
+
+
+def choose(runs: list[BenchRun], ev: list[Evaluated]) -> Evaluated:
+    """The procedure applied to every tuning family (what the defaults are checked against)."""
+    fams = set(tuning_families(runs))
+    best = None
+    for e in ev:
+        sc = total(runs, e.results, lambda r: r.source == "corpus" and r.family in fams)
+        m = merit(sc, e.real_ok)
+        if best is None or m > best[0]:
+            best = (m, e)
+    return best[1]
+
+
+LOSS_ONLY_GRID = (4.0, 6.0, 8.0, 10.0, 15.0, float("inf"))
+
+FRONTIER: tuple[dict, ...] = (
+    {"together_k": 0.0, "drift_h": 1.0, "spike_z": 3.0, "admit_z": 3.0, "escalate_steps": 2},
+    {"together_k": 0.0, "drift_h": 1.0},
+    {"together_k": 0.1, "drift_h": 1.5},
+    {"together_k": 0.25, "drift_h": 1.0},
+    {"together_k": 0.15, "drift_h": 1.5},
+    {"together_k": 0.2, "drift_h": 1.25},
+    {"together_k": 0.25, "drift_h": 1.25},
+    {"together_k": 0.25, "drift_h": 1.5},
+    {"together_k": 0.25, "drift_h": 2.0},
+    {"together_k": 0.25, "drift_h": 3.0},
+    {"drift_h": 3.0},
+    {"drift_h": 4.0},
+    {},
+    {"drift_h": 6.0},
+    {"together_k": 0.75, "drift_h": 6.0},
+    {"drift_h": 8.0},
+    {"drift_h": 12.0},
+    {"drift_h": float("inf")},
+    {"drift_h": float("inf"), "lr_jump_ratio": float("inf")},
+)
+"""earlywarn's trade-off curve, most sensitive first (overrides of the defaults; {} is the defaults)."""
+
+
+def _setting(kw: dict) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in kw.items()) or "defaults"
+
+
+def frontier_points(runs: list[BenchRun], base: DetectorConfig, view: str,
+                    keep: Callable[[BenchRun], bool]) -> list[tuple[str, Score, bool]]:
+    pts = []
+    for kw in FRONTIER:
+        cfg = replace(base, **kw)
+        res = {r.name: earlywarn_alarms(r, cfg, view if r.source == "corpus" else "logged") for r in runs}
+        ok, _ = real_checks(runs, res)
+        pts.append((_setting(kw), total(runs, res, keep), ok))
+    return pts
+
+
+# ----------------------------------------------------------------------------------------------
+# printing
+
+
+def _lead(s: Score) -> str:
+    return f"{s.median_lead:.1f}" if s.leads else "-"
+
+
+HEAD = (f"{'':28s} {'recall@lead>=1':>14s} {'median lead':>11s} {'FA/1k':>7s} {'crit/1k':>8s} "
+        f"{'healthy runs alarmed':>21s} {'events':>7s} {'healthy steps':>13s}")
+
+
+def row(name: str, s: Score) -> str:
+    return (f"{name:28s} {s.recall:>14.1%} {_lead(s):>11s} {s.fa_rate:>7.2f} {s.crit_rate:>8.2f} "
+            f"{f'{s.healthy_alarmed}/{s.healthy_runs} ({s.alarmed_share:.0%})':>21s} "
+            f"{f'{s.detected}/{s.events}':>7s} {s.healthy_steps:>13d}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verbose", action="store_true", help="per-event leads and false-alarm runs")
-    ap.add_argument("--no-corpus", action="store_true", help="real logs only (no training)")
-    ap.add_argument("--no-holdout", action="store_true", help="leave out the held-out corpus")
-    ap.add_argument("--no-matched", action="store_true", help="skip the matched false-alarm table")
+    ap.add_argument("--no-lofo", action="store_true", help="skip leave-one-family-out (the slow part)")
+    ap.add_argument("--no-signals", action="store_true", help="skip the per-signal lead table")
+    ap.add_argument("--view", default="logged", choices=sorted(VIEWS), help="what the corpus runs feed earlywarn")
     ap.add_argument("--config", default=None, help="a DetectorConfig JSON file for earlywarn")
-    ap.add_argument("--only", default=None, help="run only detectors whose name contains this")
-    ap.add_argument("--frontier", action="store_true",
-                    help="also run earlywarn at other settings of its sensitivity knobs (~1 min)")
     a = ap.parse_args(argv)
-    cfg = DetectorConfig.from_file(a.config) if a.config else None
+    base = DetectorConfig.from_file(a.config) if a.config else DetectorConfig()
     t0 = time.perf_counter()
-    runs: list[BenchRun] = []
-    if not a.no_corpus:
-        runs += corpus_runs()
-        if not a.no_holdout:
-            runs += corpus_runs(holdout=True)
-    runs += real_runs()
-    mark_duplicates(runs)
+    runs = corpus_runs() + real_runs()
     t1 = time.perf_counter()
-    scores = run_benchmark(runs, cfg, a.only)
-    t2 = time.perf_counter()
-    n_events = sum(r.collapse is not None for r in runs)
-    n_scored = sum(r.scored and r.duplicate_of is None for r in runs)
-    n_gen = sum(r.source == "corpus" for r in runs)
-    n_ho = sum(r.part == "held-out" for r in runs)
-    print(f"runs: {len(runs)} ({n_gen} generated: {n_gen - n_ho} development + {n_ho} held-out; "
-          f"{sum(r.source == 'real' for r in runs)} real); collapses: {n_events}, scored: {n_scored}; "
-          f"horizon {HORIZON} steps")
-    print(table(scores))
-    parts = [p for p in ("dev", "held-out", "real") if any(r.part == p for r in runs)]
-    if len(parts) > 1:
-        print("\nby part (recall / median lead / false alarms per 10k):")
-        print(f"{'detector':20s} " + " ".join(f"{p:>28s}" for p in parts))
-        for name, by in scores.items():
-            cells = []
-            for p in parts:
-                s = by[p]
-                cells.append(f"{f'{s.detected}/{s.events}':>7s} {s.recall:>6.0%} {s.median_lead:>5.1f} {s.fa_rate:>7.2f}")
-            print(f"{name:20s} " + " ".join(f"{c:>28s}" for c in cells))
-    ns = [r for r in runs if r.collapse is not None and not r.scored]
-    dups = [r for r in runs if r.duplicate_of is not None]
-    print(f"\nnot scorable (fewer than {MIN_HISTORY} logged steps before the collapse and no prior baseline; "
-          f"the same for every detector): {len(ns)}")
-    print("  " + ", ".join(f"{r.name} (collapse at row {r.collapse})" for r in ns))
-    if dups:
-        print("counted once (identical to an earlier run up to the collapse): "
-              + ", ".join(f"{r.name} = {r.duplicate_of}" for r in dups))
-    for line in bloom_and_llmc_checks(runs, cfg):
-        print(line)
-    if "earlywarn" in scores and not a.no_matched and (not a.only or "earlywarn" in a.only.lower()):
-        ew = scores["earlywarn"]["all"]
-        print(f"\nat matched false-alarm rate (each peer at the most sensitive setting with FA/10k <= "
-              f"earlywarn's {ew.fa_rate:.2f}):")
-        print(f"{'detector':20s} {'setting':>22s} {'recall@lead>=1':>15s} {'median lead':>12s} "
-              f"{'false alarms/10k':>17s} {'events':>7s}")
-        print(f"{'earlywarn':20s} {'defaults':>22s} {ew.recall:>14.1%} {ew.median_lead:>12.1f} "
-              f"{ew.fa_rate:>17.2f} {f'{ew.detected}/{ew.events}':>7s}")
-        for name, knob, v, s in matched(runs, ew.fa_rate):
-            if s is None:
-                print(f"{name:20s} {'(none on the ladder)':>22s}")
-            else:
-                print(f"{name:20s} {f'{knob}={v:g}':>22s} {s.recall:>14.1%} {s.median_lead:>12.1f} "
-                      f"{s.fa_rate:>17.2f} {f'{s.detected}/{s.events}':>7s}")
-    if a.frontier:
-        print("\nearlywarn's trade-off (one knob at a time from the defaults; llm.c: no warning, "
-              "BLOOM: warning by 31217):")
-        print("\n".join(frontier(runs, cfg)))
+    corpus = [r for r in runs if r.source == "corpus"]
+    fams = tuning_families(runs)
+    in_tuning = lambda r: r.source == "corpus" and r.family not in UNSEEN  # noqa: E731
+    unseen = lambda r: r.source == "corpus" and r.family in UNSEEN  # noqa: E731
+    n_ev = sum(r.collapse is not None for r in corpus)
+    n_sc = sum(r.scored and r.duplicate_of is None for r in corpus)
+    print(f"corpus: {len(corpus)} runs in {len(fams)} tuning families + {len(UNSEEN)} unseen "
+          f"({', '.join(UNSEEN)}); collapses {n_ev}, scored {n_sc}; healthy runs "
+          f"{sum(r.healthy and counted(r) for r in corpus)}; real logs {len(runs) - len(corpus)}; "
+          f"horizon {HORIZON} steps, false alarms per 1,000 healthy steps")
+
+    if not a.no_signals:
+        print("\nper-signal lead, each signal alone (trailing 50-step median / MAD z of its log; threshold: the "
+              "lowest on a ladder with <= 0.5 FA/1k on the tuning families):")
+        print("\n".join(signal_leads(runs)))
+
+    # earlywarn defaults and the baselines, in sample (tuning families) and on the unseen family
+    ew = {r.name: earlywarn_alarms(r, base, a.view if r.source == "corpus" else "logged") for r in runs}
+    peers = {name: {r.name: peer_alarms(r, mk) for r in runs} for name, mk in PEER_FACTORIES.items()}
+    print(f"\ndetectors at their defaults (earlywarn fed the '{a.view}' view):")
+    for title, keep in (("tuning families (in sample)", in_tuning), ("unseen family (gru)", unseen)):
+        print(f"-- {title}\n{HEAD}")
+        print(row("earlywarn", total(runs, ew, keep)))
+        for name, res in peers.items():
+            print(row(name, total(runs, res, keep)))
+    ok, lines = real_checks(runs, ew)
+    print("\n".join(lines))
+    n_inst = sum(instant(r) and counted(r) for r in corpus if in_tuning(r))
+    print(row("earlywarn, w/o instant", total(runs, ew, lambda r: in_tuning(r) and not instant(r)))
+          + f"   ({n_inst} collapses start at a bad batch's own step, where the loss itself is the "
+          "first sign: no detector can lead them; they stay in every other row)")
+    lo = {r.name: earlywarn_alarms(r, base, "loss") for r in runs if r.source == "real"}
+    _, lines = real_checks([r for r in runs if r.source == "real"], lo)
+    print("loss-only view of the real logs (the grad norm dropped): " + "; ".join(lines))
+
+    print("\nearlywarn by input view (defaults; tuning families | unseen family):")
+    for view in ("logged", "guard", "grad+loss", "loss+lr", "loss"):
+        res = ew if view == a.view else {r.name: earlywarn_alarms(r, base, view if r.source == "corpus" else "logged")
+                                         for r in runs}
+        print(row(f"{view}: tuning", total(runs, res, in_tuning)))
+        print(row(f"{view}: unseen", total(runs, res, unseen)))
+
+    if not a.no_lofo:
+        cands = candidates(base)
+        ev = evaluate(runs, cands, a.view)
+        folds, pooled = lofo(runs, ev)
+        print(f"\nthe candidate settings, in sample (tuning families):\n{HEAD}")
+        for e in ev:
+            print(row(e.name[:28], total(runs, e.results, in_tuning)) + ("" if e.real_ok else "  (llm.c/BLOOM FAIL)"))
+        print(f"\nleave-one-family-out ({len(cands)} candidate settings; each family scored with the setting "
+              "chosen on all the others):")
+        print(f"{'family (setting chosen)':28s}" + HEAD[28:])
+        for f, (pick, sc) in folds.items():
+            print(row(f"{f} ({pick})"[:28], sc))
+        print(row("pooled (held-out families)", pooled))
+        chosen = choose(runs, ev)
+        d = next(e for e in ev if e.name == "defaults")
+        print(row("in sample, defaults", total(runs, d.results, in_tuning)))
+        print(f"the procedure on all tuning families picks: {chosen.name} "
+              f"({'= the defaults' if chosen.name == 'defaults' else 'NOT the defaults'}); "
+              f"folds that picked the defaults: {sum(p == 'defaults' for p, _ in folds.values())}/{len(folds)}")
+        print(row("unseen family, chosen", total(runs, chosen.results, unseen)))
+        print("targets (held-out): recall >= 90%, median lead >= 3, FA/1k <= 0.5, healthy runs alarmed <= 10%, "
+              f"false criticals 0: {'MET' if pooled.meets() else 'NOT MET'}")
+        # loss-only logs (item 4): the loss-alone threshold, chosen the same way in the loss view
+        lc = {"defaults": base}
+        for v in LOSS_ONLY_GRID:
+            if v != base.loss_only_h:
+                lc[f"loss_only_h={v:g}"] = replace(base, loss_only_h=v)
+        lev = evaluate(runs, lc, "loss", real_view="loss")
+        lfolds, lpooled = lofo(runs, lev)
+        lch = choose(runs, lev)
+        print(f"\nloss-only logs, leave-one-family-out over loss_only_h {LOSS_ONLY_GRID} (llm.c in the loss view "
+              "must stay quiet):")
+        print(row("pooled (held-out families)", lpooled))
+        print(row("in sample, defaults", total(runs, next(e for e in lev if e.name == "defaults").results, in_tuning)))
+        print(f"the procedure picks: {lch.name}; per fold: "
+              + ", ".join(f"{f}: {p}" for f, (p, _) in lfolds.items()))
+
+    # frontier and Pareto check
+    print("\nearlywarn's trade-off (all corpus runs; settings as overrides of the defaults):")
+    allc = lambda r: r.source == "corpus"  # noqa: E731
+    pts = frontier_points(runs, base, a.view, allc)
+    print(f"{'setting':28s}" + HEAD[28:] + "  llm.c/BLOOM")
+    for name, sc, ok in pts:
+        print(row(name[:28], sc) + f"  {'OK' if ok else 'FAILS'}")
+    print("\nPareto check: earlywarn's best frontier point at each baseline's own false-alarm rate (all corpus runs):")
+    print(f"{'baseline':20s} {'its recall':>10s} {'its lead':>9s} {'its FA/1k':>10s} | {'earlywarn point':>26s} "
+          f"{'recall':>7s} {'lead':>5s} {'FA/1k':>6s}  verdict")
+    for name, res in peers.items():
+        ps = total(runs, res, allc)
+        if ps.detected == 0:
+            print(f"{name:20s} {ps.recall:>10.1%} {'-':>9s} {ps.fa_rate:>10.2f} | detects nothing: not a false-alarm bound")
+            continue
+        ok_pts = [(n, s) for n, s, good in pts if s.fa_rate <= ps.fa_rate + 1e-12 and good]
+        if not ok_pts:
+            print(f"{name:20s} {ps.recall:>10.1%} {_lead(ps):>9s} {ps.fa_rate:>10.2f} | no earlywarn point at or "
+                  "below this rate: NOT DOMINATED")
+            continue
+        def dominates(s: Score) -> bool:
+            return s.recall >= ps.recall and (s.median_lead if s.leads else 0) >= (ps.median_lead if ps.leads else 0)
+
+        dom_pts = [t for t in ok_pts if dominates(t[1])]
+        n, s = max(dom_pts or ok_pts, key=lambda t: (t[1].recall, t[1].median_lead if t[1].leads else 0))
+        dom = dominates(s)
+        print(f"{name:20s} {ps.recall:>10.1%} {_lead(ps):>9s} {ps.fa_rate:>10.2f} | {n[:26]:>26s} {s.recall:>7.1%} "
+              f"{_lead(s):>5s} {s.fa_rate:>6.2f}  {'dominates' if dom else 'DOES NOT DOMINATE'}")
+
     if a.verbose:
         print("\nper event (lead in steps; - = missed):")
-        names = list(scores)
-        ev = [r for r in runs if r.scored and r.duplicate_of is None]
-        print(f"{'run':42s} {'collapse':>8s} " + " ".join(f"{n[:12]:>12s}" for n in names))
-        for r in ev:
-            cells = []
-            for n in names:
-                lead = scores[n]["all"].per_event.get(r.name)
-                cells.append(f"{'-' if lead is None else lead:>12}")
-            print(f"{r.name:42s} {int(r.steps[r.collapse]):>8d} " + " ".join(cells))
-        for n in names:
-            if scores[n]["all"].fa_runs:
-                print(f"false alarms {n}: {scores[n]['all'].fa_runs}")
-    print(f"(data {t1 - t0:.1f}s, detection {t2 - t1:.1f}s, total {time.perf_counter() - t0:.1f}s)")
+        names = ["earlywarn"] + list(peers)
+        allres = {"earlywarn": ew, **peers}
+        print(f"{'run':62s} {'collapse':>8s} " + " ".join(f"{n[:9]:>9s}" for n in names))
+        for r in corpus:
+            if r.scored and r.duplicate_of is None:
+                cells = [score_run(r, allres[n][r.name]).per_event.get(r.name) for n in names]
+                print(f"{r.name[:62]:62s} {int(r.steps[r.collapse]):>8d} "
+                      + " ".join(f"{'-' if c is None else c:>9}" for c in cells))
+        fa = total(runs, ew, allc).fa_runs
+        print(f"earlywarn false alarms: {fa}")
+        crit = {r.name: ew[r.name].critical for r in corpus if score_run(r, ew[r.name]).false_criticals}
+        print(f"earlywarn false criticals (rows): {crit}")
+    print(f"(data {t1 - t0:.1f}s, total {time.perf_counter() - t0:.1f}s)")
     return 0
 
 

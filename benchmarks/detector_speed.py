@@ -2,7 +2,8 @@
 
 The run is synthetic but not trivially calm: log-normal noise on every layer, the loss falling,
 isolated spikes every ~500 steps, a three-step escalation, a non-finite step and a layer that is
-zero for a while, so the general (masked) path is exercised as well as the calm one. Observations
+zero for a while, so the general (masked) path is exercised as well as the calm one. Every step
+carries its learning rate (a warm-up, then a cosine), as the live guard hands it. Observations
 are built before the clock starts (that is the caller's cost, live or offline). Reports wall and
 CPU time (the CPU time is the honest figure on a shared machine) and checks that memory does not
 grow with the number of steps.
@@ -41,8 +42,14 @@ def synthetic(steps: int, layers: int, seed: int = 0) -> list[Observation]:
     g = np.sqrt(np.nansum(lay ** 2, axis=1))
     g[esc + 10] = np.nan
     loss = 3.0 * np.exp(-np.linspace(0, 0.5, steps) + rng.normal(0, 0.01, steps))
-    return [Observation(step=i, grad_norm=float(g[i]), loss=float(loss[i]), layer_norms=lay[i])
-            for i in range(steps)]
+    lr = learning_rates(steps)
+    return [Observation(step=i, grad_norm=float(g[i]), loss=float(loss[i]), layer_norms=lay[i],
+                        extras={"lr": float(lr[i])}) for i in range(steps)]
+
+
+def learning_rates(steps: int) -> np.ndarray:
+    t = np.arange(steps)
+    return np.where(t < 2000, 3e-4 * (t + 1) / 2000, 3e-5 + 2.7e-4 * 0.5 * (1 + np.cos(np.pi * t / steps)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     # an Observation each); it must raise exactly the alerts observe() raised. Timed in the same
     # repetitions as observe(), alternating (the host's speed drifts).
     cols = StepColumns(step=np.array([o.step for o in obs]), grad_norm=np.array([o.grad_norm for o in obs]),
-                       loss=np.array([o.loss for o in obs]), layer_norms=np.stack([o.layer_norms for o in obs]))
+                       loss=np.array([o.loss for o in obs]), layer_norms=np.stack([o.layer_norms for o in obs]),
+                       extras={"lr": (learning_rates(a.steps), None)})
     best_wall = best_cpu = best_cols = float("inf")
     t_add = float("nan")
     for _ in range(a.repeat):
@@ -94,6 +102,16 @@ def main(argv: list[str] | None = None) -> int:
             best_cpu, t_add = cpu, 0.5 * (before + add_ns())
 
     same = len(col_alerts) == n_alerts and np.array_equal(sd_cols.state.stats, sd.state.stats)
+
+    # one path only: every step through the general (masked) path, what a single per-step path
+    # would cost (the calm path exists because this misses the target)
+    n_full = min(a.steps, 20_000)
+    sd_full = StreamingDetector(layer_names=names)
+    sd_full.detector._force_full = True
+    c = time.process_time()
+    for o in obs[:n_full]:
+        sd_full.observe(o)
+    us_full = 1e6 * (time.process_time() - c) / n_full
 
     # memory: the live wrapper updates one working state in place, the pure pair returns a new
     # one; neither may accumulate. numpy fills internal caches the first time each path runs
@@ -151,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{(3 * n) // 5:,}, {m3 / 1024:.1f} KiB after {n:,} (growth over the last "
               f"{n - (3 * n) // 5:,} steps {(m3 - m2) / 1024:+.1f} KiB; one state snapshot is "
               f"{state_kib:.1f} KiB)")
+    print(f"general path only (one masked path for every step, {n_full:,} steps): {us_full:.1f} us/step -> "
+          f"{us_full * a.steps / 1e6:.2f} s for {a.steps:,} steps, {us_full / us:.1f}x the calm path's replay")
     print(f"building the observations took {t_build:.2f} s (not timed)")
     print(f"reference: one numpy add of {a.layers + 4} floats took {t_add:.0f} ns on this core around the "
           f"best replay; a step costs {1000 * us / t_add:.1f} such adds (scale by your machine's add time)")

@@ -1,11 +1,18 @@
 """Step-time overhead of earlywarn vs the alternatives, measured side by side in one process.
 
     python benchmarks/overhead.py [--steps 12] [--threads 2]
+    python benchmarks/overhead.py --agreement [--steps 60]   # DDP, gloo, 2 processes
+
 
 GPT-like model (6 layers, d=384, 6 heads, seq 256, batch 8, ~11M params) on CPU, fused AdamW.
 Variants run interleaved (round-robin, rotating order) so machine noise hits all of them alike;
 "ratio" is the median step time over the bare step's median; "paired" is the median over rounds of
 (variant time / bare time in the same round), which cancels slow drifts of a shared machine.
+
+``--agreement``: the cost of making every rank decide the same (one SUM all-reduce of the small
+statistics vector per step, with or without ``report_loss``) under DDP with gloo on 2 processes:
+a bare DDP step, earlywarn with the agreement collective (the default), and earlywarn with it
+removed (rank-local decisions, as before), interleaved; on a fast (~15 ms) and a slower step.
 """
 
 from __future__ import annotations
@@ -137,10 +144,110 @@ def main() -> None:
     print(f"{'earlywarn guard cost, paired (60 reps)':45s} {guard_cost * 1e3:9.2f} -> {1 + guard_cost / base:.4f}x of the bare step")
     ms, mn = statistics.median(t_stats), statistics.median(t_norm)
     print(f"{'earlywarn stats pass (norms + 1 host read)':45s} {ms * 1e3:9.2f} {ms / mn:7.3f}x of one bare torch._foreach_norm ({mn * 1e3:.2f} ms)")
+    # the step's LR for the detector (issue 14): a host read of param_groups, inside the guard cost above
+    import timeit
+
+    from earlywarn.capture.updates import learning_rate
+    t_lr = min(timeit.repeat(lambda: learning_rate(guarded_opt), number=1000, repeat=5)) / 1000
+    print(f"{'LR capture (host read of param_groups)':45s} {t_lr * 1e6:9.2f} us -> {1 + t_lr / base:.6f}x of the bare step")
     ew.close()
     if wandb_run is not None:
         wandb_run.finish()
 
 
+def _agreement_worker(rank: int, port: int, steps: int, out: "torch.multiprocessing.Queue") -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    results = []
+    for label, cfg, batch in (("2-layer GPT, d=128, seq 64 (fast step)", GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64), 8),
+                              ("4-layer GPT, d=256, seq 128", GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128), 8)):
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randint(0, 128, (batch, cfg.block_size), generator=g)
+        y = torch.randint(0, 128, (batch, cfg.block_size), generator=g)
+        variants = {}
+        for name in ("bare DDP step", "+ earlywarn, rank-local decisions", "+ earlywarn, agreement all-reduce"):
+            torch.manual_seed(0)
+            model = DDP(GPT(cfg))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            ew = None
+            if name != "bare DDP step":
+                ew = earlywarn.watch(model, opt, sinks=[], recovery=earlywarn.RecoveryConfig(snapshot_every=0, rewind=False))
+                if "rank-local" in name:
+                    ew._reducer = None  # what the watcher did before without report_loss
+            variants[name] = (model, opt, ew, [])
+
+        def step(model, opt) -> float:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            return time.perf_counter() - t0
+
+        names = list(variants)
+        for v in variants.values():
+            step(v[0], v[1]), step(v[0], v[1])
+        for r in range(steps):
+            for name in names[r % 3:] + names[: r % 3]:  # the same order on both ranks
+                model, opt, ew, times = variants[name]
+                times.append(step(model, opt))
+        # the collective alone, on the vector the watcher builds
+        ew = variants["+ earlywarn, agreement all-reduce"][2]
+        vec = torch.zeros(ew.layer_map.num_layers + 2, dtype=torch.float64)
+        t_coll = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            ew._reducer.reduce(vec, loss_reported=False)
+            t_coll.append(time.perf_counter() - t0)
+        bare = variants["bare DDP step"][3]
+        row = {"label": label, "bare_ms": statistics.median(bare) * 1e3, "coll_us": statistics.median(t_coll) * 1e6}
+        local = variants["+ earlywarn, rank-local decisions"][3]
+        agree = variants["+ earlywarn, agreement all-reduce"][3]
+        row["local_paired"] = statistics.median(a / b for a, b in zip(local, bare))
+        row["agree_paired"] = statistics.median(a / b for a, b in zip(agree, bare))
+        row["agree_vs_local"] = statistics.median(a / b for a, b in zip(agree, local))
+        results.append(row)
+        for _, _, ew_, _ in variants.values():
+            if ew_ is not None:
+                ew_.close()
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def agreement(steps: int) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_agreement_worker, args=(r, port, steps, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = q.get(timeout=1800)
+    for p in procs:
+        p.join()
+    print(f"DDP, gloo, 2 processes x 1 thread, fused AdamW, {steps} interleaved steps per variant; paired medians")
+    print(f"{'model':42s} {'bare ms':>8s} {'rank-local':>11s} {'agreement':>10s} {'agree/local':>12s} {'all-reduce':>11s}")
+    for r in results:
+        print(f"{r['label']:42s} {r['bare_ms']:8.1f} {r['local_paired']:10.4f}x {r['agree_paired']:9.4f}x "
+              f"{r['agree_vs_local']:11.4f}x {r['coll_us']:8.0f} us")
+    print("agree/local: the cost of every rank deciding the same (one all-reduce of the statistics vector per step)")
+
+
 if __name__ == "__main__":
-    main()
+    if "--agreement" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--agreement", action="store_true")
+        ap.add_argument("--steps", type=int, default=60)
+        agreement(ap.parse_args().steps)
+    else:
+        main()

@@ -36,6 +36,9 @@ def _pairs(items: Sequence[str] | None, what: str) -> dict[str, str]:
 
 
 def _build_parser() -> _Parser:
+    # Help is built from the names the code accepts, so it cannot drift from them.
+    from earlywarn.analyze import BASELINE_KEYS
+    from earlywarn.analyze.hygiene import KEY_MAP_NAMES
     from earlywarn.analyze.readers import SOURCE_FORMS
 
     p = _Parser(prog="earlywarn", description="earlywarn: keep training runs alive; analyse logged runs offline.")
@@ -45,10 +48,11 @@ def _build_parser() -> _Parser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--config", metavar="FILE", help="detector config JSON (DetectorConfig.to_file / earlywarn calibrate)")
         sp.add_argument("--key", action="append", metavar="NAME=COLUMN",
-                        help="read NAME from COLUMN (NAME: step, loss, grad_norm, layer_prefix, run, loss_scale, lr, "
-                             "skipped, ...); repeat as needed")
+                        help=f"read NAME from COLUMN (NAME: {', '.join(KEY_MAP_NAMES)}); repeat as needed, "
+                             "e.g. --key loss=train/loss --key step=iteration")
         sp.add_argument("--baseline", action="append", metavar="NAME=VALUE",
-                        help="typical value known ahead, e.g. --baseline grad_norm=0.2 --baseline loss=2.3")
+                        help=f"typical value known ahead (NAME: {', '.join(BASELINE_KEYS)} or grad_norm/<layer>), "
+                             "e.g. --baseline grad_norm=0.2 --baseline loss=2.3")
 
     a = sub.add_parser(
         "analyze", help="replay the detector over logged runs",
@@ -67,12 +71,14 @@ def _build_parser() -> _Parser:
     c = sub.add_parser(
         "calibrate", help="choose thresholds meeting a false-alarm target on healthy runs",
         description="Pick detector thresholds that meet a false-alarm target on runs you mark healthy and write "
-                    "them as a config file that watch(config=...) and `earlywarn analyze --config` load.",
+                    "them as a detector config file, which earlywarn.watch(model, optimizer, detector=FILE) and "
+                    "`earlywarn analyze --config FILE` load.",
     )
     c.add_argument("sources", nargs="+", metavar="HEALTHY_RUN")
     c.add_argument("--target-rate", type=float, default=0.0, metavar="R",
                    help="false alarms (warnings or worse) allowed per 10,000 steps (default 0)")
-    c.add_argument("--margin", type=int, default=1, metavar="N", help="ladder notches beyond the boundary (default 1)")
+    c.add_argument("--margin", type=int, default=1, metavar="N", help="settings this many notches stricter (on the sensitivity ladder) than the most sensitive "
+                        "one that meets the target, so healthy runs are not on the edge (default 1)")
     c.add_argument("--out", "-o", default="earlywarn_detector.json", metavar="FILE",
                    help="where to write the config (default earlywarn_detector.json)")
     c.add_argument("--json", action="store_true", help="print the calibration result as JSON")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -29,11 +30,13 @@ import torch
 from earlywarn.capture.gradstats import GradStats
 from earlywarn.capture.grouping import GroupBy, build_layer_map
 from earlywarn.capture.hostread import LateReader, SyncReader
+from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
 from earlywarn.events import Event, Kind, Level
 from earlywarn.metrics import MetricsConfig, build_metrics
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
+from earlywarn.recover._state import fence_copies
 from earlywarn.sinks import Sink
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
@@ -47,8 +50,10 @@ class WatchConfig:
     mode: str = "auto"
     """``"sync"``: one batched host read per step, before the step (spikes can be skipped too).
     ``"async"``: no host read on the hot path; the fused optimizer skips non-finite steps on the
-    device and the detector sees each step one step late (needs fused Adam/AdamW).
-    ``"auto"``: async on CUDA with a fused Adam/AdamW, else sync."""
+    device and the detector sees each step late -- one step, more when the host runs ahead
+    (needs fused Adam/AdamW/SGD; a finite spike cannot be skipped: its update is applied before
+    its statistics arrive). ``"auto"``: async when the optimizer is fused and every parameter is
+    on CUDA, else sync."""
     group_by: GroupBy = "module"
     """What a layer is: ``"module"`` (owning module), ``"depth:N"`` / ``N`` (module path cut to N
     components), or a function ``param_name -> layer_name``."""
@@ -70,6 +75,28 @@ class WatchConfig:
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {', '.join(_MODES)}")
+        if isinstance(self.sinks, (str, Sink)):
+            raise TypeError(f"sinks= takes a list of sink names or Sink instances, got {self.sinks!r}: "
+                            f"write sinks=[{self.sinks!r}]")
+        if self.sinks is not None:
+            if not isinstance(self.sinks, Sequence):
+                raise TypeError(f"sinks= takes a list of sink names or Sink instances, got {type(self.sinks).__name__}")
+            for i, spec in enumerate(self.sinks):
+                if not isinstance(spec, (str, Sink)):
+                    raise TypeError(f"sinks[{i}]={spec!r}: a sink is a registered name (e.g. 'console', "
+                                    "'jsonl', 'mlflow', 'wandb', 'webhook') or an earlywarn.sinks.Sink instance")
+        if not isinstance(self.sink_options, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Mapping) for k, v in self.sink_options.items()):
+            raise TypeError("sink_options= takes {sink name: {option: value}}, e.g. "
+                            f"{{'mlflow': {{'experiment': 'x'}}}}; got {self.sink_options!r}")
+        if self.baseline is not None:
+            if not isinstance(self.baseline, Mapping):
+                raise TypeError(f"baseline= takes {{signal: typical value}}, e.g. {{'grad_norm': 0.2}}; got {self.baseline!r}")
+            for k, v in self.baseline.items():
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                if not isinstance(k, str) or not ok:
+                    raise ValueError(f"baseline[{k!r}]={v!r}: a baseline is a typical value of that signal, "
+                                     "a finite number > 0 (e.g. {'grad_norm': 0.2, 'loss': 2.3})")
         if isinstance(self.detector, (str, os.PathLike)):
             self.detector = DetectorConfig.from_file(self.detector)
         for name, typ in (("detector", DetectorConfig), ("policy", PolicyConfig),
@@ -79,23 +106,36 @@ class WatchConfig:
                 raise TypeError(f"{name}= takes an earlywarn {typ.__name__}, got {type(value).__name__}")
 
 
-def _is_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
-    # torch's fused Adam/AdamW honour `optimizer.found_inf` inside the kernel: a sync-free skip.
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    # torch's fused Adam/AdamW/SGD honour `optimizer.found_inf` inside the kernel: a sync-free skip.
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
         return False
     return all(bool(g.get("fused")) for g in optimizer.param_groups)
+
+
+def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
+    """A scalar onto the statistics vector's device without making the host wait."""
+    if t.device == dev:
+        return t.to(dt).reshape(1)
+    if t.device.type == "cpu" and dev.type == "cuda":
+        # A host value (report_loss(float)): a fill kernel takes it as an argument. Copying a
+        # pageable tensor with non_blocking=True may be synchronous after all.
+        return torch.full((1,), float(t), dtype=dt, device=dev)
+    return t.to(dev, dt, non_blocking=dev.type == "cuda").reshape(1)  # non-blocking only toward CUDA
 
 
 class _Tag:
     """What the host needs to know about a step whose vector may arrive a step late."""
 
-    __slots__ = ("step", "batch", "loss_reported", "counts")
+    __slots__ = ("step", "batch", "loss_reported", "counts", "inv_scale", "gen")
 
     def __init__(self, step: int, batch: Any, loss_reported: bool):
         self.step = step
-        self.batch = batch
+        self.batch = batch  # drawn for this step: what blame and quarantine name, however late it is read
         self.loss_reported = loss_reported
         self.counts: np.ndarray | None = None
+        self.inv_scale: torch.Tensor | None = None  # for the rare-path recount (sync mode)
+        self.gen = 0  # the watcher's rewind generation when the step ran (async mode)
 
 
 class Watcher:
@@ -119,24 +159,51 @@ class Watcher:
             )
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "earlywarn cannot guard torch.optim.LBFGS: its step() evaluates the closure up to "
+                "max_iter times and moves the parameters between evaluations, so a NaN gradient met "
+                "inside the line search is applied before any guard could see it. Train LBFGS "
+                "without earlywarn (its own tolerance checks stop on non-finite losses), or use a "
+                "first-order optimizer")
+        for what, obj in (("scheduler", scheduler), *((f"extra_state[{k!r}]", v) for k, v in (extra_state or {}).items())):
+            if obj is not None and not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(
+                    f"{what}= takes an object with state_dict() and load_state_dict() (e.g. a "
+                    f"torch.optim.lr_scheduler.LRScheduler), got {type(obj).__name__}: earlywarn "
+                    "restores it on a rewind")
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         self.config = config
         self.layer_map = build_layer_map(model, optimizer, config.group_by)
         self.layer_names: tuple[str, ...] = self.layer_map.layer_names
-        self._stats = GradStats(self.layer_map)
-        self._fused = _is_fused_adam(optimizer)
-        device = self.layer_map.params[0].device
+        self._fused = _is_fused(optimizer)
+        devices = {p.device for p in self.layer_map.params}
+        self._all_cuda = all(d.type == "cuda" for d in devices)
         if config.mode == "async" and not self._fused:
             raise ValueError(
                 f"mode='async' needs an optimizer that can skip on the device, but "
-                f"{type(optimizer).__name__} is not fused: pass fused=True to torch.optim.Adam/AdamW, "
+                f"{type(optimizer).__name__} is not fused: pass fused=True to torch.optim.Adam/AdamW/SGD, "
                 "or use mode='sync' (one host read per step)"
             )
-        late = config.mode == "async" or (config.mode == "auto" and self._fused and device.type == "cuda")
+        if config.mode == "async" and not self._all_cuda and any(d.type == "cuda" for d in devices):
+            raise ValueError(
+                "mode='async' needs every parameter on a CUDA device, but some are on "
+                f"{sorted(str(d) for d in devices if d.type != 'cuda')} (offloaded): the fused step would copy "
+                "the device skip flag to them with non_blocking=True and read it before it lands. Use mode='sync'"
+            )
+        # Async only when every parameter is on CUDA (params[0] alone says nothing about the rest).
+        late = config.mode == "async" or (config.mode == "auto" and self._fused and self._all_cuda)
         self.mode = "async" if late else "sync"
-        self._reader = LateReader() if late else SyncReader()
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        # Alone, a step is judged as soon as its vector has landed; under torch.distributed
+        # exactly two steps late on every rank (a rewind or a repair issues collectives).
+        self._reader = LateReader(fixed_lag=2 if dist else None) if late else SyncReader()
+        # Async mode cannot recount a layer after the fact: exact (float64) norms from the start.
+        self._stats = GradStats(self.layer_map, exact=late)
+        self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants (sync, fused)
+        self._gen = 0  # async: bumped by a rewind; steps of an older generation were undone in flight
 
         self._dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if self._dist else 0
@@ -151,6 +218,13 @@ class Watcher:
 
         self.detector = StreamingDetector(config.detector, self.layer_names, baseline=config.baseline)
         self.policy = Policy(config.policy or PolicyConfig())
+        if late:
+            ignored = [f.name for f in dataclasses.fields(self.policy.cfg) if f.name.startswith("on_")
+                       and f.name != "on_nonfinite_grad" and getattr(self.policy.cfg, f.name) is Action.SKIP]
+            if ignored:
+                warnings.warn(f"earlywarn: PolicyConfig {', '.join(f'{n}=skip' for n in ignored)} cannot act in "
+                              "async mode: a finite step's update is applied before its statistics arrive "
+                              "(only non-finite steps are skipped, on the device); use mode='sync' to skip spikes")
         self.metrics_config = config.metrics or MetricsConfig()
         self.events: list[Event] = []
         self.counters: dict[str, int] = {
@@ -158,16 +232,20 @@ class Watcher:
             "nonfinite_steps": 0, "alerts_info": 0, "alerts_warning": 0, "alerts_critical": 0,
         }
         self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
-        self._loss: torch.Tensor | None = None
-        self._alert_tick: int | None = None  # policy tick of the latest alert, any level
-        self._incident_tick: int | None = None  # ... of the latest warning-or-worse one (an incident)
+        self._loss: torch.Tensor | None = None  # sum of the losses reported since the last step
+        self._loss_count = 0
+        self._alert_step: int | None = None  # step of the latest alert, any level
+        self._unclean_step: int | None = None  # ... of warning-or-worse ones: no snapshot for clean_window
+        self._incident_step: int | None = None  # ... of those that are an incident (not a skipped bad step)
         self._incident_onset: int | None = None  # first abnormal step of the incident in progress
         self._rewind_callbacks: list[Callable[[Any], None]] = []
         self._input_hook: Any = None
+        self._elevated = False  # the latest step judged had a gradient signal elevated (a spike)
         self._scaler_observed: tuple[bool] | None = None
         self._deferring = False
         self._recorded: PendingStep | None = None
         self._detached = False
+        self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
 
         self.sinks: list[Sink] = []  # built last: a config error must not leave a tracker run open
 
@@ -178,6 +256,8 @@ class Watcher:
             scheduler=scheduler, scaler=self.scaler, loader=loader, extra_state=extra, emit=self._emit,
             # A rewind restores the model and the detector, not the policy's rewind budget or our counters.
             keep_on_rewind=("earlywarn_policy", "earlywarn_watcher"),
+            # Our own bookkeeping follows the judgement of a step (late in async mode), not its update.
+            late_state=("earlywarn_detector", "earlywarn_policy", "earlywarn_watcher"),
         )
 
         # Record the real backward order once (first backward), to name the first bad layer.
@@ -188,11 +268,14 @@ class Watcher:
             for i, p in enumerate(self.layer_map.params) if p.requires_grad
         ]
 
-        # Install: the instance attribute shadows the class's step; detach() removes it again.
-        self._had_step_attr = "step" in optimizer.__dict__
-        self._prev_step = optimizer.__dict__.get("step")
-        self._orig_step = self.recovery.wrap_step(optimizer.step)  # a recurrence may lower the LR around it
-        optimizer.step = self._guarded_step  # type: ignore[method-assign]
+        # Install: an instance attribute shadows the class's step; detach() removes it again.
+        # It is the optimizer's own bound method (see _watched_step), so wrappers that rebind
+        # `optimizer.step.__func__` to the optimizer (LR schedulers do) keep working.
+        below = _step_below(optimizer)
+        # the real step, with the learning rate a recurrence may lower applied around it
+        self._orig_step = self.recovery.wrap_step(
+            below if below is not None else types.MethodType(type(optimizer).step, optimizer))
+        optimizer.step = types.MethodType(_watched_step_fn(), optimizer)  # type: ignore[method-assign]
         optimizer._earlywarn_watcher = self  # type: ignore[attr-defined]
         if self.scaler is not None:
             self._had_scaler_attr = "step" in self.scaler.__dict__
@@ -203,7 +286,9 @@ class Watcher:
         try:
             specs = config.sinks if config.sinks is not None else default_sink_specs()
             self.sinks = build_sinks(specs, config.sink_options, rank=self.rank)
-            self.recovery.report_plan(self._step)  # the snapshot cadence and host-RAM budget, once
+            # the snapshot cadence and host-RAM budget, once (a note on the console; a warning if short)
+            console = next((s for s in self.sinks if s.name == "console" and hasattr(s, "write")), None)
+            self.recovery.report_plan(self._step, write=None if console is None else console.write)
             if not self.recovery.data.restorable and self.recovery.config.fingerprint_inputs:
                 # no loader names the batches: fingerprint the model's inputs (on the device, no sync)
                 self._input_hook = model.register_forward_pre_hook(_input_fingerprint(self), with_kwargs=True)
@@ -222,7 +307,8 @@ class Watcher:
         """The step the next ``optimizer.step()`` is: steps taken on the current trajectory,
         skipped ones included. A rewind sets it back to the restored snapshot's step + 1, so a
         loop that computes its schedule from it follows the model (nanoGPT:
-        ``iter_num = ew.step`` at the top of the loop)."""
+        ``iter_num = ew.step`` at the top of the loop). In async mode the steps still in flight
+        at a rewind are undone with it (never judged nor logged)."""
         return self._step
 
     def on_rewind(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -256,25 +342,42 @@ class Watcher:
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Tell earlywarn this step's loss. A tensor is kept on the device (no host sync) and read
-        with the gradient statistics in the step's one transfer."""
+        with the gradient statistics in the step's one transfer.
+
+        Under gradient accumulation call it for every micro-batch: the losses reported between
+        two optimizer steps are averaged (on the device), and one NaN micro-batch makes the step's
+        loss NaN. The detector works on ratios, so a constant factor (nanoGPT reports
+        ``loss / gradient_accumulation_steps``) changes nothing."""
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"report_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}: reduce it first (e.g. .mean())")
-            self._loss = loss.detach().reshape(())
+            value = loss.detach().reshape(())
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            value = torch.tensor(float(loss), dtype=torch.float64)
         else:
-            self._loss = torch.tensor(float(loss), dtype=torch.float64)
+            raise TypeError(f"report_loss takes a scalar tensor or a float, got {type(loss).__name__}")
+        if self._loss is None:
+            self._loss, self._loss_count = value, 1
+        else:
+            if value.device != self._loss.device:
+                value = value.to(self._loss.device)
+            self._loss, self._loss_count = self._loss + value, self._loss_count + 1
 
     def summary(self) -> dict[str, int]:
         return dict(self.counters)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._step, "counters": dict(self.counters),
-                "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
-                "recovery": self.recovery.state_dict()}
+        """The watcher's state (detector, policy, recovery, counters, step) in plain types and
+        tensors: ``torch.save`` it and ``torch.load(path)`` (``weights_only=True``) reads it back."""
+        return _weights_only_safe({
+            "step": self._step, "counters": dict(self.counters),
+            "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
+            "recovery": self.recovery.state_dict()})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = _from_saved(state)
         self._step = int(state["step"])
-        self.counters.update(state["counters"])
+        self.counters.update({k: int(v) for k, v in state["counters"].items()})
         self.detector.load_state_dict(state["detector"])
         self.policy.load_state_dict(state["policy"])
         self.recovery.load_state_dict(state["recovery"])
@@ -283,6 +386,7 @@ class Watcher:
         """Process a step still in flight (async mode) and push buffered sink data out."""
         for vec, tag in self._reader.drain():
             self._process(vec, tag)
+        self.recovery.settle()  # a snapshot still being copied / confirmed
         for sink in self.sinks:
             sink.flush(timeout=10.0)
 
@@ -302,12 +406,14 @@ class Watcher:
                 self._input_hook.remove()
                 self._input_hook = None
             opt = self.optimizer
-            if opt.__dict__.get("step") == self._guarded_step:
-                if self._had_step_attr:
-                    opt.step = self._prev_step  # type: ignore[method-assign]
+            if _is_watched_step(opt.__dict__.get("step")):
+                below = opt.__dict__.pop(_BELOW, None)
+                if below is not None:
+                    opt.step = below  # type: ignore[method-assign]
                 else:
                     del opt.step
-            # else: someone wrapped our wrapper (an LR scheduler created later); it now passes through.
+            # else: someone wrapped our step (an LR scheduler created later); it now passes through
+            # to the step that was there before earlywarn (kept under _BELOW; None: the class's).
             opt.__dict__.pop("_earlywarn_watcher", None)
             if self.scaler is not None and self.scaler.__dict__.get("step") == self._guarded_scaler_step:
                 if self._had_scaler_attr:
@@ -357,20 +463,26 @@ class Watcher:
 
     def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         # [per-layer squared norms..., loss, loss scale]: one vector, one transfer.
+        fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
         layer_sq = self._stats.layer_sq_norms(inv_scale)
         dev, dt = layer_sq.device, layer_sq.dtype
         nan = torch.full((1,), math.nan, dtype=dt, device=dev)
         loss = self._loss
         reported = loss is not None
-        self._loss = None
+        if reported and self._loss_count > 1:
+            loss = loss / self._loss_count  # micro-batch losses since the last step: their mean
+        self._loss, self._loss_count = None, 0
         scale = self.scaler._scale if self.scaler is not None else None
         vec = torch.cat([
             layer_sq,
-            loss.to(dev, dt, non_blocking=True).reshape(1) if reported else nan,
-            scale.to(dev, dt, non_blocking=True).reshape(1) if scale is not None else nan,
+            _onto(loss, dev, dt) if reported else nan,
+            _onto(scale, dev, dt) if scale is not None else nan,
         ])
         if self._reducer is not None:
             vec = self._all_reduce(vec, reported)
+        # the LR this step is taken with (a host number: no device work), kept until the step's
+        # vector is read (a step later in async mode, when the scheduler has moved on)
+        self._step_lr[self._step] = learning_rate(self.optimizer)
         return vec, reported
 
     def _all_reduce(self, vec: torch.Tensor, reported: bool) -> torch.Tensor:
@@ -381,9 +493,33 @@ class Watcher:
         self._settle_backward_order()
         vec, reported = self._device_vector(inv_scale)
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
+        tag.inv_scale, tag.gen = inv_scale, self._gen
         self.recovery.fingerprints.bind(self._step)  # what the forward passes since the last step saw
         self._step += 1
         return vec, tag
+
+    def _step_with_closure(self, args: tuple, kwargs: dict) -> Any:
+        """``optimizer.step(closure)``: the closure runs backward, so it is evaluated first and the
+        guard decides on the gradients it produced. The optimizer then gets the evaluated loss
+        (torch.optim's optimizers evaluate a closure once; LBFGS, which evaluates it many times,
+        is refused at watch()); a second call evaluates the real closure again."""
+        closure = args[0] if args else kwargs.get("closure")
+        if closure is None or self._detached or self._scaler_observed is not None:
+            return self._guarded_step(*args, **kwargs)
+        with torch.enable_grad():
+            loss = closure()
+        done = [False]
+
+        def evaluated() -> Any:
+            if done[0]:
+                with torch.enable_grad():
+                    return closure()
+            done[0] = True
+            return loss
+
+        kwargs = {k: v for k, v in kwargs.items() if k != "closure"}
+        out = self._guarded_step(evaluated, *args[1:], **kwargs)
+        return loss if out is None else out
 
     def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._detached:
@@ -399,20 +535,22 @@ class Watcher:
         vec, tag = self._begin(inv_scale)
 
         if self._fused:
-            # Device-side skip flag: the fused kernel reads it, no host sync needed.
-            found = (~torch.isfinite(vec[:-2].sum())).to(torch.float32)
             if self.mode == "async":
-                ret = self._apply(found, args, kwargs)
-                ready = self._reader.push(vec, tag)  # the host sees this step one step late
-                if ready is not None:
-                    self._process(*ready)
+                # Device-side skip flag: the fused kernel reads it, no host sync needed. The layer
+                # norms are exact (float64), so it is set by NaN/Inf elements only.
+                layer_sq = vec[:-2]
+                found = (~torch.isfinite(layer_sq.sum()) | (layer_sq.amax() > _SQ_OVERFLOW)).to(torch.float32)
+                ready = self._reader.push(vec, tag)  # this step's copy starts; earlier ones that landed
+                ret = self._apply(found, args, kwargs, record=tag)
+                for host, late_tag in ready:  # judged now, after this step's update was queued
+                    self._process(host, late_tag)
                 return ret
             host = self._read_now(vec, tag)
             decision = self._decide(host, tag)
             if decision.rewind:
                 self._run_rewind_or_repair(tag, decision)
                 return None
-            ret = self._apply(torch.ones_like(found) if decision.skip else found, args, kwargs)
+            ret = self._apply(self._skip_flag(decision.skip), args, kwargs)
             self._after_step(tag, decision)
             return ret
 
@@ -425,18 +563,30 @@ class Watcher:
         self._after_step(tag, decision)
         return ret
 
-    def _apply(self, found: torch.Tensor | None, args: Any, kwargs: Any) -> Any:
+    def _apply(self, found: torch.Tensor | None, args: Any, kwargs: Any, record: "_Tag | None" = None) -> Any:
         """Run the real optimizer step (fused: with the device skip flag), or record it when the
-        step is being decided ahead of time (:meth:`decide_step`)."""
+        step is being decided ahead of time (:meth:`decide_step`). ``record``: async mode, the
+        step whose update this is (recovery records it once it is queued)."""
         if self._deferring:
-            self._recorded = PendingStep(apply=True, found_inf=found)
+            self._recorded = PendingStep(apply=True, found_inf=found, tag=record)
             return None
-        if found is None:
-            return self._orig_step(*args, **kwargs)
+        ret = self._fused_step(found, args, kwargs) if found is not None else self._orig_step(*args, **kwargs)
+        if record is not None and record.gen == self._gen:
+            self.recovery.record_step(record.step, maybe_clean=self._maybe_clean(record.step),
+                                      building=self._building_at(record.step))
+        return ret
+
+    def _fused_step(self, found: torch.Tensor, args: Any, kwargs: Any) -> Any:
         opt = self.optimizer
         prior = getattr(opt, "found_inf", None)  # GradScaler's own flag, for fused optimizers
         if isinstance(prior, torch.Tensor):
-            found = torch.maximum(found, prior.to(found.device, found.dtype))
+            # GradScaler's found_inf is a *sum* over devices (2.0 on two); the fused kernels skip
+            # only when it == 1 (and _fused_adam then subtracts it from `step`): 0 or 1, nothing else.
+            found = ((found + prior.to(found.device, found.dtype)) > 0).to(found.dtype)
+        if self._sgd_first_step() and bool(found.item()):
+            # A skipped first fused-SGD step leaves the momentum buffers torch just allocated
+            # uninitialised (empty_like): decide on the host (one read, first step only).
+            return None
         opt.found_inf = found  # type: ignore[attr-defined]
         try:
             return self._orig_step(*args, **kwargs)
@@ -445,6 +595,32 @@ class Watcher:
                 del opt.found_inf
             else:
                 opt.found_inf = prior  # type: ignore[attr-defined]
+
+    def _sgd_first_step(self) -> bool:
+        opt = self.optimizer
+        return (isinstance(opt, torch.optim.SGD) and not opt.state
+                and any(g.get("momentum", 0) != 0 for g in opt.param_groups))
+
+    def _skip_flag(self, skip: bool) -> torch.Tensor:
+        """found_inf from the host's decision (sync mode): constants made once, no copy per step.
+        On the CPU unless every parameter is on CUDA: the fused step copies found_inf to each
+        parameter's device with non_blocking=True, and a non-blocking copy to the CPU is read
+        before it lands."""
+        if self._flags is None:
+            dev = self._stats.device if self._all_cuda else torch.device("cpu")
+            self._flags = (torch.zeros((), device=dev), torch.ones((), device=dev))
+        return self._flags[int(skip)]
+
+    def _building_at(self, step: int) -> bool:
+        # An episode may be building at `step`: an alert of any level within clean_window steps
+        # (after a rewind, through the steps that come again: their step is below the alert's),
+        # or a gradient elevated at the latest step judged (async mode: a step or two back).
+        a = self._alert_step
+        return (a is not None and step - a <= self.recovery.config.clean_window) or self._elevated
+
+    def _maybe_clean(self, step: int) -> bool:
+        # What is known when a step's update is queued (async mode: earlier steps judged so far).
+        return self._unclean_step is None or step - self._unclean_step > self.recovery.config.clean_window
 
     # ------------------------------------------------------------------ decide now, apply later
     def decide_step(self) -> "PendingStep":
@@ -464,7 +640,7 @@ class Watcher:
 
     def apply_step(self, pending: "PendingStep", *args: Any, **kwargs: Any) -> Any:
         """Apply a step decided by :meth:`decide_step` (a skipped step leaves everything as is)."""
-        return self._apply(pending.found_inf, args, kwargs) if pending.apply else None
+        return self._apply(pending.found_inf, args, kwargs, record=pending.tag) if pending.apply else None
 
     def _guarded_scaler_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._detached or optimizer is not self.optimizer or self._fused:
@@ -501,6 +677,16 @@ class Watcher:
             if self._reducer is not None:  # every rank is on this path (same vector): matched collective
                 counts = self._reducer.reduce_counts(counts, loss_reported=tag.loss_reported)
             tag.counts = counts.cpu().numpy()
+            overflowed = ~np.isfinite(host[:-2]) & (tag.counts == 0)
+            if overflowed.any():
+                # Every element finite, yet the float32 squared norm overflowed (|g| >~ 1.8e19):
+                # a huge finite gradient is a spike, not a non-finite one. Recount in float64.
+                exact = self._stats.layer_sq_norms(tag.inv_scale, exact=True)
+                if self._reducer is not None:  # every rank is on this path too
+                    pad = torch.full((2,), math.nan, dtype=exact.dtype, device=exact.device)
+                    exact = self._reducer.reduce(torch.cat([exact, pad]), loss_reported=tag.loss_reported)[:-2]
+                host = host.copy()
+                host[:-2][overflowed] = exact.cpu().numpy()[overflowed]
         return host
 
     def _observation(self, host: np.ndarray, tag: _Tag) -> Observation:
@@ -509,6 +695,11 @@ class Watcher:
         total = float(np.sqrt(layer_sq.sum()))
         nonfinite = tag.counts if tag.counts is not None else (~np.isfinite(layer_sq)).astype(np.float64)
         extras = {"loss_scale": float(host[-1])} if self.scaler is not None else {}
+        lr = self._step_lr.pop(tag.step, None)
+        for k in [k for k in self._step_lr if k < tag.step]:
+            del self._step_lr[k]  # steps never read (a rewind dropped them)
+        if lr is not None:
+            extras["lr"] = lr
         loss = float(host[-2]) if tag.loss_reported else None
         return Observation(step=tag.step, grad_norm=total, layer_norms=layer_norms, loss=loss,
                            layer_nonfinite=nonfinite, skipped=not math.isfinite(total),
@@ -519,6 +710,7 @@ class Watcher:
         alerts = self.detector.observe(obs)
         nonfinite = not obs.grad_finite
         loss_bad = obs.loss is not None and not math.isfinite(obs.loss)
+        overflow = not nonfinite and bool(np.any(host[:-2] > _SQ_OVERFLOW))
         scan = None
         if loss_bad or (nonfinite and self.scaler is None):
             # Rare path: was anything written? Finite parameters and optimizer state mean the bad
@@ -527,13 +719,13 @@ class Watcher:
         state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
         # ...unless an incident is in progress (a divergence, a warning): then finite is not fine
         window = self.recovery.config.clean_window
-        if self._incident_tick is not None and self.policy.tick + 1 - self._incident_tick <= window:
+        if self._incident_step is not None and tag.step - self._incident_step <= window:
             state_finite = None if state_finite else state_finite
-        actions = set(self.policy.decide(tag.step, alerts, state_finite=state_finite))
+        actions = set(self.policy.decide(tag.step, alerts, state_finite=state_finite, skipped=overflow))
         decision = _Decision(obs=obs, alerts=alerts, actions=actions,
-                             skip=nonfinite or loss_bad or Action.SKIP in actions,
-                             rewind=Action.REWIND in actions, nonfinite=nonfinite, loss_bad=loss_bad, scan=scan,
-                             bad_batch=bool(state_finite))
+                             skip=nonfinite or overflow or loss_bad or Action.SKIP in actions,
+                             rewind=Action.REWIND in actions, nonfinite=nonfinite, overflow=overflow,
+                             loss_bad=loss_bad, scan=scan, bad_batch=bool(state_finite))
         for alert in alerts:
             self._emit(alert)
         for note in self.policy.suppressed:  # an action a critical alert asked for, not taken: say why
@@ -576,31 +768,42 @@ class Watcher:
         if decision.nonfinite:
             self.counters["nonfinite_steps"] += 1
         window = self.recovery.config.clean_window
-        tick = self.policy.tick
         if decision.alerts:
-            self._alert_tick = tick
-            # An incident is a warning-or-worse alert; info spikes that recovered and a non-finite
-            # step that was skipped (nothing written) are not: the state stays clean.
+            self._alert_step = tag.step
+            # Info spikes that recovered leave snapshots clean; warning-or-worse alerts hold them
+            # off for clean_window steps. An incident is such an alert that is not a non-finite
+            # step skipped before anything was written (a bad batch): its onset is tracked.
+            if any(a.level >= Level.WARNING for a in decision.alerts):
+                self._unclean_step = tag.step
             serious = [a for a in decision.alerts if a.level >= Level.WARNING and a.kind not in _SKIPPED_KINDS]
             if serious:
-                self._incident_tick = tick
+                self._incident_step = tag.step
                 onset = _onset(tag.step, serious)
                 self._incident_onset = onset if self._incident_onset is None else min(self._incident_onset, onset)
-        clean = self._incident_tick is None or tick - self._incident_tick > window
-        if clean:
+        if self._incident_step is None or tag.step - self._incident_step > window:
             self._incident_onset = None
-        # an episode may be building: alerts of any level lately, or a gradient elevated now
-        building = self._alert_tick is not None and tick - self._alert_tick <= window
-        building = building or self.detector.score >= self.detector.cfg.spike_z
+        clean = self._unclean_step is None or tag.step - self._unclean_step > window
+        self._elevated = self.detector.score >= self.detector.cfg.spike_z
         self.counters["steps"] = self._step
         self._log_metrics(tag.step, obs)
-        self.recovery.after_step(tag.step, clean=clean and not decision.skip, building=building)
+        self.recovery.after_step(tag.step, clean=clean and not decision.skip, building=self._building_at(tag.step))
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
-        """Async mode: a step's vector arrived a step late; the device already skipped if needed."""
+        """Async mode: a step's vector arrived late (its update, and maybe later ones, already
+        queued); the device already skipped it if it was non-finite."""
+        if tag.gen != self._gen:
+            return  # applied on a trajectory a rewind has undone since: never judged (as in sync mode)
         decision = self._decide(host, tag)
+        # The device skipped exactly the non-finite steps. A finite step's update was applied
+        # before its statistics arrived: a policy SKIP cannot be honoured, nor reported as done.
+        decision.skip = decision.nonfinite or decision.overflow  # what the device flag skipped
         if decision.rewind:
+            rewinds = self.recovery.rewinds
             self._run_rewind_or_repair(tag, decision)
+            if self.recovery.rewinds != rewinds:
+                # The steps still in flight belong to the undone trajectory: never judged nor
+                # logged (the rewind set the step back to the restored snapshot's, as in sync mode).
+                self._gen += 1
             return
         self._after_step(tag, decision)
 
@@ -631,12 +834,11 @@ class Watcher:
             self._halt(tag, str(exc), cause=exc)
         self.counters["rewinds"] += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self._reader.drain()  # async: the step in flight belongs to the abandoned trajectory
         self._step = report.resume_step  # the loop's schedule can follow (ew.step)
         self.counters["steps"] = self._step
         # the restored state is clean: what comes next is judged afresh (a recurrence is the
-        # recovery's to diagnose); snapshots stay at the faster cadence for a while (_alert_tick)
-        self._incident_onset = self._incident_tick = None
+        # recovery's to diagnose); snapshots stay at the faster cadence for a while (_alert_step)
+        self._incident_onset = self._incident_step = self._unclean_step = None
         self._log_metrics(tag.step, decision.obs)
         for callback in self._rewind_callbacks:
             callback(report)
@@ -682,6 +884,10 @@ class Watcher:
             if tag.counts is not None:
                 what += f", {int(np.nansum(obs.layer_nonfinite))} element(s)"
             what += ")"
+        elif decision.overflow:
+            huge = [self.layer_names[i] for i in np.flatnonzero(decision.obs.layer_norms ** 2 > _SQ_OVERFLOW)]
+            what = (f"huge finite gradient in {huge[0]!r} (norm {decision.obs.grad_norm:.3g}: its square overflows "
+                    "float32, so the optimizer's second moments would turn inf)")
         else:
             what = "gradient spike"
         # Without a restorable loader the batch is known by its step (and fingerprint, when seen).
@@ -690,11 +896,15 @@ class Watcher:
         else:
             ref = self.recovery.batch_at(tag.step)
             batch = f"the batch drawn for step {tag.step}" + (f" (fingerprint {ref.fingerprint})" if ref else "")
+        level = Level.CRITICAL if decision.nonfinite else Level.WARNING
         if self.scaler is not None and decision.nonfinite:
+            # The scaler doing its job (start-up, after each scale growth): info. A scale that
+            # keeps collapsing is the detector's SCALER_OVERFLOW critical.
             action = "GradScaler skipped the step (loss-scale overflow or a bad batch)"
+            level = Level.INFO
         else:
             action = "optimizer step skipped, params and optimizer state untouched"
-        self._emit(Event(step=tag.step, kind=Kind.SKIP, level=Level.CRITICAL if decision.nonfinite else Level.WARNING,
+        self._emit(Event(step=tag.step, kind=Kind.SKIP, level=level,
                          message=f"{what} from {batch}: {action}", signal="grad_norm", layers=tuple(bad),
                          values={"grad_norm": obs.grad_norm if obs.grad_norm is not None else math.nan},
                          batch=_batch_index(tag.batch) if tag.batch is not None else tag.step))
@@ -727,6 +937,79 @@ class Watcher:
             _safe(sink, "log_metrics", step, metrics)
 
 
+def _weights_only_safe(tree: Any) -> Any:
+    """numpy arrays -> tensors, numpy scalars -> Python numbers, tuples kept: what
+    ``torch.load(weights_only=True)`` accepts (the detector is pure numpy)."""
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(tree).copy())
+    if isinstance(tree, np.generic):
+        return tree.item()
+    if isinstance(tree, Mapping):
+        return {k: _weights_only_safe(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_weights_only_safe(v) for v in tree)
+    return tree
+
+
+def _from_saved(tree: Any) -> Any:
+    """Inverse of :func:`_weights_only_safe` (tensors -> numpy arrays)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    if isinstance(tree, Mapping):
+        return {k: _from_saved(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_from_saved(v) for v in tree)
+    return tree
+
+
+_BELOW = "_earlywarn_step_below"  # the optimizer's own `step` attribute before earlywarn installed itself
+
+
+def _watched_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """``optimizer.step`` while watched. A plain function bound to the optimizer: an LR scheduler
+    created after ``watch()`` rebinds ``optimizer.step.__func__`` to the optimizer, and any other
+    wrapper that calls it finds its watcher here (or, once detached, the step that was below)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's own wrapper records
+    watcher = optimizer.__dict__.get("_earlywarn_watcher")
+    if watcher is not None:
+        return watcher._step_with_closure(args, kwargs)
+    below = optimizer.__dict__.get(_BELOW)
+    if below is not None:
+        return below(*args, **kwargs)
+    return type(optimizer).step(optimizer, *args, **kwargs)
+
+
+_WATCHED_STEP: Any = None
+
+
+def _watched_step_fn() -> Any:
+    # torch.compile(optimizer.step) after watch() must not trace the host-side guard (numpy,
+    # Python control flow): dynamo runs it eagerly instead.
+    global _WATCHED_STEP
+    if _WATCHED_STEP is None:
+        _WATCHED_STEP = torch.compiler.disable(_watched_step)
+        # LR schedulers check this marker (and wrap the step to set _opt_called, which
+        # _watched_step does itself): a scheduler built before watch() must not warn that
+        # "optimizer.step() has been overridden after learning rate scheduler initialization".
+        _WATCHED_STEP._wrapped_by_lr_sched = True
+    return _WATCHED_STEP
+
+
+def _is_watched_step(fn: Any) -> bool:
+    return _WATCHED_STEP is not None and getattr(fn, "__func__", None) is _WATCHED_STEP
+
+
+def _step_below(optimizer: torch.optim.Optimizer) -> Any:
+    """What really steps the optimizer under earlywarn: the instance ``step`` that was there when
+    earlywarn first attached (an LR scheduler's wrapper, a compiled step), or None for the class's.
+    Re-watching an optimizer whose step was wrapped over ours keeps the first one."""
+    d = optimizer.__dict__
+    if _BELOW not in d:
+        current = d.get("step")
+        d[_BELOW] = current if current is not None and not _is_watched_step(current) else None
+    return d[_BELOW]
+
+
 class _Counters:
     """Lets checkpoints carry the watcher's counters and step (state_dict protocol)."""
 
@@ -751,6 +1034,7 @@ class PendingStep:
 
     apply: bool
     found_inf: torch.Tensor | None
+    tag: Any = None  # async mode: the step recovery records once the update is applied
 
 
 @dataclass
@@ -761,10 +1045,16 @@ class _Decision:
     skip: bool
     rewind: bool
     nonfinite: bool
+    overflow: bool = False  # finite, but a layer's squared norm overflows float32 (|g| >~ 1.8e19)
     loss_bad: bool = False
     scan: Any = None  # the state scan of a non-finite step (None: not taken)
     bad_batch: bool = False  # a lone non-finite step with the state verified finite: the batch's fault
 
+
+# A finite gradient whose square overflows float32 poisons every second-moment state (Adam's v,
+# Adagrad's sum, Adafactor's row/col variances become inf, then NaN): it is skipped like a
+# non-finite one, and reported as the huge finite spike it is.
+_SQ_OVERFLOW = float(np.finfo(np.float32).max)
 
 # non-finite steps are skipped before anything is written: on their own they are no incident
 _SKIPPED_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE, Kind.SCALER_OVERFLOW})

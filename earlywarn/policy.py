@@ -74,8 +74,9 @@ class PolicyConfig:
     """SCALER_OVERFLOW (info): the fp16 scaler already skipped the step and lowered its scale."""
 
     rewind_after_nonfinite: int = 3
-    """Consecutive steps with a non-finite gradient or loss after which skipping is not enough
-    and the policy rewinds (the run, not one batch, is broken). 0 disables."""
+    """Consecutive steps with a non-finite gradient or loss (or a gradient the guard skips as
+    too large) after which skipping is not enough and the policy rewinds (the run, not one
+    batch, is broken). 0 disables."""
 
     checkpoint_cooldown: int = 200
     """Minimum steps between two warning checkpoints (a spiky phase must not write one per
@@ -170,13 +171,16 @@ class Policy:
         self.rewind_streak = 0  # non-finite steps in a row when the latest rewind was granted
         self._undo: tuple[int, int] | None = None  # (last_rewind, nonfinite_streak) before a granted rewind
 
-    def decide(self, step: int, alerts: Iterable[Event], *, state_finite: bool | None = None) -> list[Action]:
+    def decide(self, step: int, alerts: Iterable[Event], *, state_finite: bool | None = None,
+               skipped: bool = False) -> list[Action]:
         """``state_finite``: on a step with a non-finite loss or gradient, whether the guard found
         parameters and optimizer state finite (``None``: not checked). ``True``: the bad step was
         never applied and a lone non-finite step is one bad batch -- a rewind it would ask for
         becomes a skip (the streak rule, ``rewind_after_nonfinite``, still applies). ``False``:
         the state is poisoned already -- a skip becomes a rewind (the guard repairs in place
-        instead when only the optimizer state is hit)."""
+        instead when only the optimizer state is hit). ``skipped``: the guard skips this step for
+        a reason of its own (a finite gradient whose square overflows): it counts toward the
+        streak like a non-finite one (a state that gives every batch such a gradient is broken)."""
         cfg = self.cfg
         self.tick += 1
         t = self.tick
@@ -210,7 +214,7 @@ class Policy:
                     action = Action.REWIND  # the state is poisoned already: a skip cannot fix it
             want(action, f"{a.kind} ({a.level}) at step {a.step}", str(a.kind))
 
-        self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite_now else 0
+        self.nonfinite_streak = self.nonfinite_streak + 1 if (nonfinite_now or skipped) else 0
         if cfg.rewind_after_nonfinite and self.nonfinite_streak >= cfg.rewind_after_nonfinite:
             want(Action.REWIND, f"{self.nonfinite_streak} non-finite steps in a row", "nonfinite_streak")
 

@@ -6,14 +6,24 @@ Each metric's full history is read with ``MlflowClient.get_metric_history`` (one
 twice (a resumed run re-running steps) becomes two rows, ordered by timestamp, so the analyser
 sees the resume. Incidents that earlywarn's MLflow sink stored as artifacts
 (``earlywarn/incidents/*.json``) come back as logged events. The SDK is imported only here.
+
+A tracking server that cannot be reached is said so at once (a TCP connect first, 5 s at most),
+not after MLflow's own retries (7 by default, minutes in all): while reading, retries and the
+request timeout are bounded unless ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``_TIMEOUT`` are set.
+Messages never show the credentials of a URI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import socket
+import urllib.request
 from collections import defaultdict
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -21,10 +31,67 @@ from earlywarn.analyze.readers import AnalyzeError, RawRun, merge_adjacent_same_
 from earlywarn.events import Event
 
 INCIDENT_DIR = "earlywarn/incidents"
+CONNECT_TIMEOUT = 5.0
+READ_RETRIES = "2"
+READ_TIMEOUT = "10"
+
+_USERINFO = re.compile(r"(?<=//)[^/@\s]*@")
+
+
+def scrub(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it removed."""
+    return _USERINFO.sub("", text)
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__
+    return scrub(" ".join(str(e).split()))[:300] or type(e).__name__
+
+
+def check_reachable(uri: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Raise AnalyzeError when the server of an http(s) tracking URI refuses or ignores a TCP
+    connection (skipped behind a proxy: the proxy decides what is reachable)."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    host = parts.hostname
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise AnalyzeError(f"mlflow:{scrub(uri)}: bad port in the tracking URI") from None
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
+        return
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as e:
+        if isinstance(e, ConnectionRefusedError):
+            why = "connection refused"
+        elif isinstance(e, (TimeoutError, socket.timeout)):
+            why = f"no answer within {timeout:g} s"
+        elif isinstance(e, socket.gaierror):
+            why = f"unknown host {host!r}"
+        else:
+            why = e.strerror or type(e).__name__
+        raise AnalyzeError(f"mlflow:{scrub(uri)}: cannot reach the MLflow tracking server at {host}:{port} ({why}); "
+                           "start the server or fix the address") from None
+
+
+@contextlib.contextmanager
+def bounded_http() -> Iterator[None]:
+    """MLflow's HTTP retries and timeout bounded while reading (the user's settings win)."""
+    mine = {k: v for k, v in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", READ_RETRIES),
+                              ("MLFLOW_HTTP_REQUEST_TIMEOUT", READ_TIMEOUT)) if k not in os.environ}
+    os.environ.update(mine)
+    try:
+        yield
+    finally:
+        for k in mine:
+            os.environ.pop(k, None)
+
+
+def _not_found(e: BaseException) -> bool:
+    return getattr(e, "error_code", None) == "RESOURCE_DOES_NOT_EXIST" or (
+        getattr(e, "get_http_status_code", lambda: None)() == 404)
 
 
 def parse_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -32,11 +99,11 @@ def parse_spec(spec: str) -> tuple[str, str | None, str | None]:
     body = spec[len("mlflow:"):]
     uri, sep, frag = body.rpartition("#")
     if not sep or not uri or not frag:
-        raise AnalyzeError(f"{spec}: use mlflow:<tracking_uri>#<run_id> or mlflow:<tracking_uri>#experiment=<name>")
+        raise AnalyzeError(f"{scrub(spec)}: use mlflow:<tracking_uri>#<run_id> or mlflow:<tracking_uri>#experiment=<name>")
     if frag.startswith("experiment="):
         name = frag[len("experiment="):]
         if not name:
-            raise AnalyzeError(f"{spec}: empty experiment name")
+            raise AnalyzeError(f"{scrub(spec)}: empty experiment name")
         return uri, None, name
     return uri, frag, None
 
@@ -51,32 +118,40 @@ def _client(uri: str):
         if not os.path.isfile(db):
             # MLflow would silently create an empty database here
             raise AnalyzeError(f"mlflow:{uri}: no such database file {db}")
+    check_reachable(uri)
     try:
         return MlflowClient(tracking_uri=uri)
     except Exception as e:
-        raise AnalyzeError(f"mlflow:{uri}: cannot open the tracking store ({type(e).__name__}: {_one_line(e)})") from None
+        raise AnalyzeError(f"mlflow:{scrub(uri)}: cannot open the tracking store ({type(e).__name__}: {_one_line(e)})") from None
 
 
 def read_mlflow(spec: str, key_map: Mapping[str, str] | None = None) -> list[RawRun]:
+    with bounded_http():
+        return _read_mlflow(spec, key_map)
+
+
+def _read_mlflow(spec: str, key_map: Mapping[str, str] | None = None) -> list[RawRun]:
     uri, run_id, experiment = parse_spec(spec)
     client = _client(uri)
+    shown = scrub(spec)  # the source as printed: without credentials
     if run_id is not None:
         try:
             run = client.get_run(run_id)
         except Exception as e:
-            raise AnalyzeError(f"{spec}: no such MLflow run ({type(e).__name__}: {_one_line(e)})") from None
-        return [read_run(client, run, spec, name="")]
+            what = "no such MLflow run" if _not_found(e) else "cannot read the MLflow run"
+            raise AnalyzeError(f"{shown}: {what} ({type(e).__name__}: {_one_line(e)})") from None
+        return [_guarded(read_run, client, run, shown, name="")]
     try:
         exp = client.get_experiment_by_name(experiment)
     except Exception as e:
-        raise AnalyzeError(f"{spec}: cannot look up the experiment ({type(e).__name__}: {_one_line(e)})") from None
+        raise AnalyzeError(f"{shown}: cannot look up the experiment ({type(e).__name__}: {_one_line(e)})") from None
     if exp is None:
-        raise AnalyzeError(f"{spec}: no MLflow experiment named {experiment!r}")
+        raise AnalyzeError(f"{shown}: no MLflow experiment named {experiment!r}")
     runs = []
     token = None
     while True:
-        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token,
-                                  order_by=["attributes.start_time ASC"])
+        page = _guarded(client.search_runs, [exp.experiment_id], max_results=1000, page_token=token,
+                        order_by=["attributes.start_time ASC"], source=shown)
         runs.extend(page)
         token = getattr(page, "token", None)
         if not token:
@@ -86,10 +161,21 @@ def read_mlflow(spec: str, key_map: Mapping[str, str] | None = None) -> list[Raw
         if not run.data.metrics:
             continue  # a run that logged nothing (params only, or failed at start)
         name = f"{run.info.run_name or ''}/{run.info.run_id}".strip("/")
-        out.append(read_run(client, run, spec, name=name))
+        out.append(_guarded(read_run, client, run, shown, name=name))
     if not out:
-        raise AnalyzeError(f"{spec}: no run of experiment {experiment!r} logged metrics (empty runs)")
+        raise AnalyzeError(f"{shown}: no run of experiment {experiment!r} logged metrics (empty runs)")
     return out
+
+
+def _guarded(fn: Any, *args: Any, source: str | None = None, **kwargs: Any) -> Any:
+    """``fn(...)``, with a tracker failure midway (the server went away) as one AnalyzeError line."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return fn(*args, **kwargs)
+    except MlflowException as e:
+        where = source if source is not None else args[2]
+        raise AnalyzeError(f"{where}: reading from MLflow failed ({_one_line(e)})") from None
 
 
 def read_run(client: Any, run: Any, source: str, name: str) -> RawRun:

@@ -145,7 +145,7 @@ def read_tensorboard(path: str, key_map: Mapping[str, str] | None = None) -> lis
             if len(dirs) == 1:
                 raise AnalyzeError(f"{path}: the event files hold no scalars (empty run)")
             continue
-        steps, cols, miss, notes = columns_from_rows(rows, "step")
+        steps, cols, miss, notes = columns_from_rows(rows, "step", source=run_dir, where=lambda i: f"scalar row {i + 1}")
         if bad:
             notes.append(f"{bad} corrupt record(s) were left out")
         steps, cols, miss, _ = merge_adjacent_same_step(steps, cols, miss)

@@ -63,7 +63,7 @@ def _rows_to_run(source: str, fmt: str, rows: list[dict[str, Any]], key_map: Map
     for r in rows:
         keys.update(r)
     km = _step_key(keys, key_map)
-    run = rows_to_runs(source, fmt, rows, km, notes, split_runs=False)[0]
+    run = rows_to_runs(source, fmt, rows, km, notes, split_runs=False, where=lambda i: f"history row {i + 1}")[0]
     run.name = name
     return run
 

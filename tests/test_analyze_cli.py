@@ -194,3 +194,156 @@ def test_analyze_and_cli_import_without_torch_or_tracker_sdks(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "needs the 'mlflow' package" in proc.stderr
+
+
+# ------------------------------------------------------------------ bad input: said plainly, never invented
+def _rows(n=200, bad_row=120, cell=None, step=None):
+    out = []
+    for i in range(n):
+        loss = cell if (cell is not None and i == bad_row) else f"{2.0 - i * 0.001:.4f}"
+        s = step if (step is not None and i == bad_row) else str(i)
+        out.append(f"{s},{loss},0.5")
+    return "step,loss,grad_norm\n" + "\n".join(out) + "\n"
+
+
+FIX = "write the number (nan and inf are fine) or leave the cell empty if nothing was logged"
+JSON_FIX = "write the number (NaN and Infinity are fine) or null if nothing was logged"
+
+
+@pytest.mark.parametrize(
+    "name, body, message",
+    [
+        ("oops.csv", _rows(cell="oops"), "line 122, column 'loss': cannot read 'oops' as a number; " + FIX),
+        ("quoted.csv", _rows(cell='"abc"'), "line 122, column 'loss': cannot read 'abc' as a number; " + FIX),
+        ("list.csv", _rows(cell='"[1,2]"'), "line 122, column 'loss': cannot read '[1,2]' as a number; " + FIX),
+        ("big_step.csv", _rows(bad_row=150, step="1e30"),
+         "line 152, column 'step': '1e30' is beyond the largest step number (9223372036854775807); "
+         "fix that row or name the step column with --key step=<column>"),
+        ("text.jsonl", "".join(json.dumps({"step": i, "loss": "abc" if i == 120 else 2.0, "grad_norm": 0.5}) + "\n"
+                               for i in range(200)),
+         "line 121, key 'loss': cannot read \"abc\" as a number; " + JSON_FIX),
+        ("list.jsonl", "".join(json.dumps({"step": i, "loss": [1, 2] if i == 120 else 2.0}) + "\n" for i in range(200)),
+         "line 121, key 'loss': cannot read [1, 2] as a number; " + JSON_FIX),
+        ("big_step.jsonl", "".join(json.dumps({"step": 2**70 if i == 150 else i, "loss": 2.0}) + "\n" for i in range(200)),
+         "line 151, key 'step': 1180591620717411303424 is beyond the largest step number (9223372036854775807); "
+         "fix that row or name the step column with --key step=<key>"),
+    ],
+)
+def test_a_bad_cell_is_named_with_its_row_and_the_fix_not_read_as_nan(capsys, tmp_path, name, body, message):
+    p = tmp_path / name
+    p.write_text(body)
+    code, out, err = run_cli(capsys, "analyze", str(p))
+    assert (code, out, err) == (2, "", f"earlywarn: error: {p}: {message}\n")
+
+
+def test_a_text_cell_is_not_a_collapse_but_a_text_column_is_still_ignored(capsys, tmp_path):
+    # the cell that once became a critical "collapse (non-finite loss)" at step 120
+    p = tmp_path / "oops.csv"
+    p.write_text(_rows(cell="oops"))
+    code, out, err = run_cli(capsys, "analyze", "--json", str(p))
+    assert code == 2 and "collapse" not in err and out == ""
+    notes = tmp_path / "notes.csv"  # mostly text: a label column, not a metric
+    notes.write_text("step,loss,note\n" + "".join(f"{i},2.0,{'7' if i == 3 else 'warmup'}\n" for i in range(50)))
+    code, out, _ = run_cli(capsys, "analyze", "--json", str(notes))
+    assert code == 0 and json.loads(out)["runs"][0]["alerts"] == []
+
+
+def test_an_object_npz_is_refused_without_unpickling(capsys, tmp_path):
+    p = tmp_path / "run.npz"
+    np.savez(p, step=np.arange(200), loss=np.array([1.0] * 199 + ["x"], dtype=object))
+    code, out, err = run_cli(capsys, "analyze", str(p))
+    assert (code, out) == (2, "")
+    assert err == (f"earlywarn: error: {p}: array 'loss' holds Python objects (dtype=object), which earlywarn does not "
+                   "unpickle (loading a pickle can run code); save it as numbers, e.g. "
+                   "np.savez(..., loss=np.asarray(values, dtype=np.float64))\n")
+    q = tmp_path / "steps.npz"
+    np.savez(q, step=np.array([0.0, 1.0, 1e30]), loss=np.ones(3))
+    code, out, err = run_cli(capsys, "analyze", str(q))
+    assert (code, err) == (2, f"earlywarn: error: {q}: step[2] = 1e+30 is beyond the largest step number "
+                              "(9223372036854775807); save the steps as int64\n")
+
+
+def test_an_unreachable_mlflow_server_is_named_within_seconds_without_credentials():
+    import time
+
+    from fixtures_trackers import free_port
+
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "earlywarn.cli", "analyze", f"mlflow:http://bob:s3cret@127.0.0.1:{port}#0123abcd"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"earlywarn: error: mlflow:http://127.0.0.1:{port}: cannot reach the MLflow tracking server "
+                           f"at 127.0.0.1:{port} (connection refused); start the server or fix the address\n")
+    assert took < 30, took
+
+
+def test_a_missing_run_on_a_live_server_is_still_no_such_run(capsys, mlflow_server):
+    code, out, err = run_cli(capsys, "analyze", f"mlflow:{mlflow_server.uri}#{'0' * 32}")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"earlywarn: error: mlflow:{mlflow_server.uri}#{'0' * 32}: no such MLflow run ("), err
+
+
+def _legend(tmp_path, body: str, name="run.csv") -> list[str]:
+    pytest.importorskip("matplotlib")
+    from earlywarn.analyze import analyze, plot
+
+    p = tmp_path / name
+    p.write_text(body)
+    return plot(analyze([str(p)]), str(tmp_path / "plot.png"))[0]
+
+
+def test_plot_legend_lists_only_what_is_drawn(tmp_path):
+    calm = "step,loss,grad_norm\n" + "".join(f"{s},2.5,{0.2 + 0.001 * (s % 3):.4f}\n" for s in range(300))
+    assert _legend(tmp_path, calm) == ["grad norm", "loss"]
+    # one isolated spike that recovers: an info alert, and it has an entry
+    rng = np.random.default_rng(0)
+    g = 0.2 * np.exp(rng.normal(0, 0.04, 300))
+    g[150] *= 8
+    spike = "step,loss,grad_norm\n" + "".join(f"{s},2.5,{g[s]:.5f}\n" for s in range(300))
+    assert _legend(tmp_path, spike) == ["grad norm", "loss", "info alert"]
+    # a collapse with a warning ahead of it
+    assert _legend(tmp_path, write_run(tmp_path / "x.csv").read_text()) == [
+        "grad norm", "loss", "warning", "critical", "collapse", "first warning to collapse"]
+
+
+def test_help_texts_match_the_api(tmp_path):
+    """Every watch(...) keyword, --key name and --baseline name in the help is one the code takes."""
+    import dataclasses
+    import io
+    from contextlib import redirect_stdout
+
+    from earlywarn.analyze import BASELINE_KEYS
+    from earlywarn.analyze.hygiene import KEY_MAP_NAMES
+    from earlywarn.guard import WatchConfig
+
+    texts = []
+    for argv in ([], ["analyze"], ["calibrate"]):
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert main([*argv, "--help"]) == 0
+        texts.append(" ".join(buf.getvalue().split()))
+    helptext = " ".join(texts)
+    fields = {f.name for f in dataclasses.fields(WatchConfig)}
+    calls = re.findall(r"watch\(([^)]*)\)", helptext)
+    assert calls, "the help says how to use a calibrated config"
+    for call in calls:
+        for kw in re.findall(r"(\w+)=", call):
+            assert kw in fields, f"help says watch({call}) but WatchConfig has no {kw!r}"
+    assert "detector=FILE" in helptext
+    assert "config=" not in " ".join(calls)
+    assert f"(NAME: {', '.join(KEY_MAP_NAMES)})" in helptext
+    assert f"(NAME: {', '.join(BASELINE_KEYS)} or grad_norm/<layer>)" in helptext
+    # and what it promises works: calibrate writes FILE, watch(..., detector=FILE) takes it
+    healthy = write_run(tmp_path / "h.csv", n=400, escalate=False)
+    cfg = tmp_path / "detector.json"
+    with redirect_stdout(io.StringIO()):
+        assert main(["calibrate", str(healthy), "--out", str(cfg)]) == 0
+    import torch
+
+    import earlywarn
+
+    model = torch.nn.Linear(2, 1)
+    ew = earlywarn.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), detector=str(cfg), sinks=[])
+    ew.close()

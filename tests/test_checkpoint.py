@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from earlywarn.events import Kind
+import earlywarn
+from earlywarn.events import Kind, Level
 from earlywarn.recover import (
     CheckpointError,
     CheckpointManager,
@@ -262,15 +265,109 @@ def test_custom_save_and_load_functions_directory_format(tmp_path):
     assert loader2.position == loader.position
 
 
-def test_async_write_error_surfaces_and_leaves_no_checkpoint(tmp_path):
+def test_async_write_error_is_reported_once_and_leaves_no_checkpoint(tmp_path):
     def failing(payload, path):
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device")
 
+    failed = []
     mgr = CheckpointManager(tmp_path, async_write=True, save_fn=failing, load_fn=lambda p: {})
+    mgr.on_failure = lambda path, err: failed.append((path.name, err.errno))
     mgr.save({"x": torch.ones(3)}, 1)  # returns at once
-    with pytest.raises(CheckpointError, match="disk full"):
+    with pytest.warns(RuntimeWarning, match=r"could not write checkpoint .*step-0000000001\.clean\.pt .*Errno 28.*training goes on"):
         mgr.wait()
+    mgr.save({"x": torch.ones(3)}, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second failure is counted, not warned again
+        mgr.wait()
+    assert mgr.failures == 2 and failed == [("step-0000000001.clean.pt", 28), ("step-0000000002.clean.pt", 28)]
     assert mgr.list() == [] and not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_keeps_training_and_the_last_good_checkpoints(tmp_path):
+    """Disk full hours in: the write fails, a warning names the path and errno, training goes on,
+    and the checkpoints written before are still there and load."""
+    full = {"now": False}
+
+    def save(payload, path):
+        if full["now"]:
+            raise OSError(28, "No space left on device", path)
+        torch.save(payload, path)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(
+        checkpoint_dir=str(tmp_path), checkpoint_every=5, save_fn=save,
+        load_fn=lambda p: torch.load(p, weights_only=True)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(30):
+            full["now"] = step >= 12
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    ew.close()
+    said = [str(w.message) for w in caught if "could not write checkpoint" in str(w.message)]
+    assert len(said) == 1 and "[Errno 28] No space left on device" in said[0], said  # once, with the errno
+    kept = [c.step for c in ew.recovery.checkpoints.list()]
+    assert kept and max(kept) < 12, kept  # the good ones stay
+    assert ew.recovery.checkpoints.failures >= 3
+    failures = [e for e in ew.events if e.kind is Kind.CHECKPOINT and e.level == Level.WARNING]
+    assert failures and "No space left on device" in failures[0].message
+    for c in ew.recovery.checkpoints.list():
+        ew.recovery.checkpoints.load(c)  # every kept checkpoint loads
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_at_watch(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores permissions: use a path under a file instead
+            ro = tmp_path / "a_file"
+            ro.write_text("x")
+            ro = ro / "checkpoints"
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(CheckpointError, match=r"checkpoint directory .* is not writable .*Errno \d+.*checkpoint_dir="):
+            earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(checkpoint_dir=str(ro)))
+        assert getattr(opt, "_earlywarn_watcher", None) is None  # nothing left attached
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def test_resume_falls_back_from_a_truncated_newest_checkpoint_and_says_so(tmp_path):
+    loader, model, opt, sched, scaler, det = build()
+    cfg = RecoveryConfig(snapshot_every=1000, checkpoint_dir=str(tmp_path), checkpoint_every=2, checkpoint_keep=3)
+    rec = Recovery(model, opt, cfg, loader=loader)
+    it = iter(loader)
+    for step in range(1, 7):
+        xb, yb = next(it)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        rec.after_step(step, clean=True)
+    newest = rec.checkpoints.latest()
+    assert newest.step == 6
+    newest.path.write_bytes(newest.path.read_bytes()[:100])  # torn by a crash on a full disk
+    events = []
+    loader2, model2, opt2, *_ = build(seed=3)
+    rec2 = Recovery(model2, opt2, cfg, loader=loader2, emit=events.append)
+    with pytest.warns(RuntimeWarning, match=r"resuming from .*step-0000000004\.clean\.pt instead: .*step-0000000006\.clean\.pt"):
+        assert rec2.resume() == 4
+    assert any(e.kind is Kind.RESUME and e.level == Level.WARNING for e in events)
+
+
+@pytest.mark.parametrize("state", [42, {"model": "not a state dict"}, {"model": {"nope": torch.ones(1)}}])
+def test_a_checkpoint_with_garbage_state_gives_a_checkpoint_error_naming_the_file(tmp_path, state):
+    from earlywarn.recover.checkpoint import FORMAT, VERSION
+
+    loader, model, opt, *_ = build()
+    bad = tmp_path / "step-0000000001.clean.pt"
+    torch.save({"format": FORMAT, "version": VERSION, "step": 1, "clean": True, "state": state}, bad)
+    rec = Recovery(model, opt, RecoveryConfig(checkpoint_dir=str(tmp_path)), loader=loader)
+    with pytest.raises(CheckpointError, match=re.escape(str(bad))):
+        rec.resume(bad, restore_data=False)
 
 
 def test_warning_checkpoint_before_the_update_is_consistent_and_a_last_resort(tmp_path):

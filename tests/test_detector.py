@@ -483,10 +483,14 @@ def test_loss_nonfinite_and_diverged_are_critical_once_per_divergence():
     sd = StreamingDetector(layer_names=LAYERS)
     for i in range(100):
         sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    n = DetectorConfig().loss_diverge_steps
     kinds = []
-    for i, factor in enumerate([2.0, 2.1, 2.2, 2.3, 1.0, 1.0, 2.0, 2.0]):
+    factors = [2.0] * (n + 2) + [1.0, 1.0] + [2.0] * n + [1.0] + [2.0] * (n - 1)
+    for i, factor in enumerate(factors):
         kinds += [(i, a.kind) for a in sd.observe(_obs(100 + i, g[0], loss[0] * factor, lay[0]))]
-    assert [k for k in kinds if k[1] == Kind.LOSS_DIVERGED] == [(1, Kind.LOSS_DIVERGED), (7, Kind.LOSS_DIVERGED)]
+    # critical once per divergence, on its n-th step; a divergence one step short is not one
+    assert [k for k in kinds if k[1] == Kind.LOSS_DIVERGED] == [(n - 1, Kind.LOSS_DIVERGED),
+                                                               (n + 4 + n - 1, Kind.LOSS_DIVERGED)]
     (a,) = sd.observe(_obs(200, g[0], float("inf"), lay[0]))
     assert a.kind == Kind.LOSS_NONFINITE and a.level == Level.CRITICAL
 
@@ -538,7 +542,7 @@ def test_grad_norm_and_loss_rising_together_warn_before_the_loss_jumps():
     obs = _together_run(6, 1.2, 1.05)
     res = replay(obs, layer_names=LAYERS)
     warn = res.first(Level.WARNING)
-    assert warn is not None and warn.kind == Kind.COLLAPSE_RISK and warn.step <= 303
+    assert warn is not None and warn.kind == Kind.COLLAPSE_RISK and warn.step <= 304
     assert "rising together" in warn.message and warn.signal == "grad_norm"
     assert warn.values["cusum"] >= DetectorConfig().drift_h
     assert not [a for a in res.alerts if a.step < 300]
@@ -623,8 +627,13 @@ def test_bloom_without_a_prior_baseline_stays_quiet_rather_than_guess():
 def test_baseline_keys_are_validated():
     with pytest.raises(ValueError, match="not a signal"):
         Detector().init(LAYERS, {"gradnorm": 0.2})
-    with pytest.raises(ValueError, match="finite value > 0"):
+    with pytest.raises(ValueError, match="finite number > 0"):
         Detector().init(LAYERS, {"grad_norm": 0.0})
+    with pytest.raises(ValueError, match="finite number > 0"):
+        Detector().init(LAYERS, {"loss": "abc"})
+    # a loss may be negative by nature (an NLL): its channel takes an offset
+    st = Detector().init(LAYERS, {"loss": -1.5})
+    assert st.loss_shift > 0 and StreamingDetector(baseline={"loss": -1.5}).baselines()["loss"] == pytest.approx(-1.5)
 
 
 # -- cost ---------------------------------------------------------------------------------------

@@ -232,23 +232,28 @@ def scenario_ddp_inf_rank1(rank: int, tmp: Path) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out: dict[str, Any] = {}
-    for fault in ("input", "grad_after_reduce"):
+    # grad_after_reduce_no_loss: the defaults, no report_loss at all (the issue's case: that rank
+    # alone skipped and the replicas drifted apart)
+    for fault in ("input", "grad_after_reduce", "grad_after_reduce_no_loss", "grad_after_reduce_fused"):
         torch.manual_seed(0)
-        ddp = DDP(MLP().double())
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        ddp = DDP(MLP().double() if fault != "grad_after_reduce_fused" else MLP())
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=fault == "grad_after_reduce_fused")
         ew = earlywarn.watch(ddp, opt, sinks=[], recovery=recovery_in(tmp, rank))
         bit_identical = None
-        for step in range(5):
+        for step in range(10):
             opt.zero_grad()
             x, y = local_batch(step, rank)
+            if fault != "grad_after_reduce":
+                x = x.to(next(ddp.parameters()).dtype)
+                y = y.to(x.dtype)
             if step == 2 and rank == 1 and fault == "input":
                 x[0, 0] = float("inf")
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             if fault == "grad_after_reduce":
                 ew.report_loss(loss)
-                if step == 2 and rank == 1:
-                    ddp.module.hidden.weight.grad[3, 5] = float("inf")
+            if fault.startswith("grad_after_reduce") and step == 2 and rank == 1:
+                ddp.module.hidden.weight.grad[3, 5] = float("inf")
             before = local_state(ddp.module, opt)
             opt.step()
             if step == 2:
@@ -567,6 +572,9 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
             restored = same(at6, local_state(model, opt))
         positions.append(loader.position.to_dict())
     rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    # Each rank writes its own quarantine list after the rewind's last collective: wait for the
+    # other rank before listing the shared directory (it may still be writing its file).
+    torch.distributed.barrier()
     out["watch"] = {"rewinds": [e.step for e in rewinds], "messages": [e.message for e in rewinds],
                     "restored": restored, "positions": positions, "events": events(ew),
                     "entries": sorted(p.name for p in (tmp / "run").iterdir()),
@@ -646,13 +654,14 @@ def assert_norms(got: list[dict[str, float]], want: list[dict[str, float]]) -> N
             assert g[k] == pytest.approx(w[k], rel=1e-6), k
 
 
-def test_ddp_layer_norms_equal_single_process_with_no_collective_per_step(results):
+def test_ddp_layer_norms_equal_single_process_with_one_small_allreduce_per_step(results):
     for res in get(results, "ddp_norms"):
         r = res["report=False"]
         assert_norms(r["got"], r["want"])
-        # DDP already reduced the grads: no collective per step. Step 0 takes the default snapshot,
-        # whose state scan agrees its counts over ranks in one all-reduce.
-        assert r["collectives"] == [1, 0, 0] and r["reducer"] == 0
+        # one all-reduce of the small statistics vector per step, even without a reported loss (a
+        # rank-local fault after DDP's reduction must reach every rank); step 0 also takes the
+        # default snapshot, whose state scan agrees its counts over ranks in one more
+        assert r["collectives"] == [2, 1, 1] and r["reducer"] == 3
 
 
 def test_ddp_reported_loss_is_averaged_in_one_allreduce(results):
@@ -677,14 +686,14 @@ def test_fsdp2_layer_norms_equal_single_process_with_one_allreduce(results, opti
         assert r["collectives"] == [["c10d.allreduce_.default"] * 2] + [["c10d.allreduce_.default"]] * 2
 
 
-@pytest.mark.parametrize("fault", ["input", "grad_after_reduce"])
+@pytest.mark.parametrize("fault", ["input", "grad_after_reduce", "grad_after_reduce_no_loss", "grad_after_reduce_fused"])
 def test_ddp_inf_on_rank1_only_both_ranks_skip_and_stay_identical(results, fault):
     r0, r1 = (res[fault] for res in get(results, "ddp_inf_rank1"))
     assert r0["skips"] == r1["skips"] == [2]
     assert r0["bit_identical"] and r1["bit_identical"]
     assert r0["events"] == r1["events"]
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
-    if fault == "grad_after_reduce":  # rank 0's copy was finite; both ranks still name the layer
+    if fault.startswith("grad_after_reduce"):  # rank 0's copy was finite; both ranks still name the layer
         assert [e[3] for e in r0["events"] if e[1] == "skip"] == [("module.hidden",)]
 
 

@@ -157,7 +157,8 @@ def test_no_sinks_configured_goes_to_embedded_mlflow_and_jsonl(mlflow_template_d
     for var in ("MLFLOW_TRACKING_URI", "EARLYWARN_SINKS", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
     # pre-migrated, so the test skips the ~6 s of migrations a first run does
-    copy_mlflow_db(mlflow_template_db, tmp_path / "mlflow.db", tmp_path / "mlruns")
+    (tmp_path / "earlywarn_output").mkdir()  # default files go there
+    copy_mlflow_db(mlflow_template_db, tmp_path / "earlywarn_output" / "mlflow.db", tmp_path / "mlruns")
     assert default_sink_specs() == ["console", "jsonl", "mlflow"]
     sinks = build_sinks(None, background_options=FAST)
     assert [s.name for s in sinks] == ["console", "jsonl", "mlflow"]
@@ -165,10 +166,10 @@ def test_no_sinks_configured_goes_to_embedded_mlflow_and_jsonl(mlflow_template_d
         s.log_metrics(3, step_metrics(3))
         s.alert(Event(step=3, kind=Kind.COLLAPSE_RISK, level=Level.WARNING, message="escalating"))
         s.finish()
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'earlywarn_output' / 'mlflow.db'}")
     run = client.get_run(sinks[2].inner.run_id)
     assert run.data.metrics["earlywarn/grad_norm"] == 4.0 and run.data.tags["earlywarn.status"] == "warning"
-    lines = [json.loads(line) for line in (tmp_path / "earlywarn_events.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "earlywarn_output" / "events.jsonl").read_text().splitlines()]
     assert lines[0]["type"] == "event" and lines[0]["kind"] == "collapse_risk"
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from earlywarn.detect import Observation, StreamingDetector
-from earlywarn.detect.peers import PEERS, KillLossSpike, NanLossCheck, OlmoSkipStep, ZClipRule
+from earlywarn.detect.peers import (PEERS, KillLossSpike, LightningSpikeDetection, NanLossCheck,
+                                    NonfiniteGradCheck, OlmoSkipStep, ZClipRule)
 from earlywarn.events import Event
 
 
@@ -41,7 +42,7 @@ def test_every_peer_has_the_detector_shape_and_a_state_round_trip(name):
     assert got == expected
     events = [e for o in seq for e in StreamingDetector().observe(o)]  # same observe() shape
     assert all(isinstance(e, Event) for e in events)
-    if name != "nan-loss":
+    if name not in ("nan-loss", "nonfinite-grad"):
         assert any(msgs for _, msgs in expected)
 
 
@@ -98,3 +99,28 @@ def test_killlossspike_needs_a_full_window_and_five_consecutive_2x_losses():
     assert fires(KillLossSpike(), base[:50] + [obs(50 + i, loss=9.0) for i in range(10)]) == []
     # the window is 5% of the run when that is longer than 100 steps
     assert KillLossSpike(max_steps=10_000).window == 500
+
+
+def test_nonfinite_grad_check_fires_on_any_non_finite_gradient_value():
+    rule = NonfiniteGradCheck()
+    seq = noisy(20)
+    seq[5] = obs(5, math.inf)
+    seq[9] = Observation(step=9, grad_norm=1.0, loss=2.0, layer_nonfinite=np.array([0, 1]))
+    seq[12] = Observation(step=12, grad_norm=1.0, loss=2.0, layer_norms=np.array([0.5, math.nan]))
+    assert fires(rule, seq) == [5, 9, 12]
+
+
+def test_lightning_spike_detection_as_published():
+    seq = [obs(i, loss=2.0) for i in range(30)]
+    seq[15] = obs(15, loss=5.9)  # 2.95x the running mean: not a spike (rtol 2: >= 3x)
+    assert fires(LightningSpikeDetection(), seq) == []
+    seq[15] = obs(15, loss=6.0)  # 3x: a spike, kept out of the running mean
+    seq[16] = obs(16, loss=6.5)  # still a spike (worse than the last admitted value)
+    seq[20] = obs(20, loss=math.nan)  # non-finite: a spike (finite_only=True)
+    assert fires(LightningSpikeDetection(), seq) == [15, 16, 20]
+    # a loss that improved on the previous one is never a spike, however high
+    rule = LightningSpikeDetection()
+    seq = [obs(0, loss=100.0)] + [obs(i, loss=1.0) for i in range(1, 12)] + [obs(12, loss=1.0)]
+    assert fires(rule, seq) == []
+    # the first batch (warmup=1) is never judged
+    assert fires(LightningSpikeDetection(), [obs(0, loss=math.nan)]) == []

@@ -3,6 +3,8 @@ recent past covered and recycles its buffers, a host-RAM budget reported once at
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -100,18 +102,21 @@ def test_the_memory_budget_sizes_the_ring_and_is_reported_once(tmp_path):
     _step(model, opt)
     size = estimate_snapshot_bytes(model, opt)
     assert estimate <= size <= 1.01 * estimate  # the estimate before AdamW's first step (no step counters)
-    events = []
-    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(
+    from earlywarn.sinks.console import ConsoleSink
+
+    out = io.StringIO()
+    ew = earlywarn.watch(model, opt, sinks=[ConsoleSink(stream=out)], recovery=RecoveryConfig(
         snapshot_memory=3 * size, quarantine_path=str(tmp_path / "q.jsonl")))
-    ew._emit = events.append
-    plans = [e for e in ew.events if e.values and e.kind is Kind.CHECKPOINT and "snapshot_bytes" in e.values]
-    assert len(plans) == 1 and plans[0].level is Level.INFO and plans[0].step == 0
-    assert "every 25 steps (5 while an episode builds)" in plans[0].message
-    assert "2 clean + 1 warning copy" in plans[0].message and "the budget holds 2 of snapshot_keep=3" in plans[0].message
+    (plan,) = out.getvalue().splitlines()  # a note on the console at watch(), not an incident
+    assert plan.startswith("[earlywarn] in-memory snapshots every 25 steps (5 while an episode builds)")
+    assert "2 clean + 1 warning copy" in plan and "the budget holds 2 of snapshot_keep=3" in plan
+    assert plan == f"[earlywarn] {ew.recovery.plan}"
     assert (ew.recovery.ring.keep, ew.recovery.ring.keep_unclean) == (2, 1)
     for _ in range(60):
         _step(model, opt)
-    assert len(ew.recovery.ring.entries) == 2 and not [e for e in events if "snapshot_bytes" in e.values]
+    ew.flush()
+    assert len(ew.recovery.ring.entries) == 2 and out.getvalue().splitlines() == [plan]  # said once
+    assert not [e for e in ew.events if e.signal == "snapshot_plan"]
     ew.close()
 
 

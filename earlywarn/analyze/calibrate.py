@@ -21,8 +21,9 @@ LADDER = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.15, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0
 """Sensitivities tried (more sensitive first)."""
 
 # the config's warning thresholds, by how they scale (fields a config lacks are skipped)
-_Z = ("spike_z", "drift_h", "drift_alone_h")
-_RATIOS = ("spike_ratio", "loss_spike_ratio", "warn_ratio", "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio")
+_Z = ("spike_z", "drift_h", "drift_alone_h", "update_alone_h", "loss_only_h")
+_RATIOS = ("spike_ratio", "loss_spike_ratio", "warn_ratio", "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio",
+           "lr_jump_ratio")
 _COUNTS: tuple[str, ...] = ()  # step counts stay as configured: only thresholds move
 
 

@@ -107,9 +107,42 @@ def parse_number(value: Any) -> float | None:
     raise ValueError(f"not a number: {value!r}")
 
 
-def columns_from_rows(rows: Sequence[Mapping[str, Any]], step_key: str) -> tuple[np.ndarray, dict, dict, list[str]]:
-    """Dict rows -> (steps, columns, missing, notes). Non-numeric values are left out of a column
-    (a column with no numeric value at all is dropped)."""
+INT64_MAX = 2**63 - 1
+
+CELL_FIX = "write the number (nan and inf are fine) or leave the cell empty if nothing was logged"
+VALUE_FIX = "write the number (NaN and Infinity are fine) or null if nothing was logged"
+
+
+def step_problem(x: float) -> str | None:
+    """Why ``x`` cannot be a step number (an int64), or None."""
+    if not abs(x) < 2.0**63:  # float(2**63 - 1) rounds up to 2**63
+        return f"is beyond the largest step number ({INT64_MAX})"
+    if x != math.floor(x):
+        return "is not a whole number"
+    return None
+
+
+def _show_value(v: Any) -> str:
+    try:
+        text = json.dumps(v, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _row_name(i: int) -> str:
+    return f"row {i + 1}"
+
+
+def columns_from_rows(rows: Sequence[Mapping[str, Any]], step_key: str, *, source: str = "",
+                      where: Callable[[int], str] = _row_name) -> tuple[np.ndarray, dict, dict, list[str]]:
+    """Dict rows -> (steps, columns, missing, notes).
+
+    A key whose values are mostly not numbers (text, media) is not a metric and is dropped. A
+    metric with a value that is not a number (``"abc"``, ``[1, 2]``) is refused with an
+    :class:`AnalyzeError` naming ``source``, the row (``where(i)``), the key and the fix: reading
+    it as NaN would report a collapse that never happened. So is a step that is not a whole
+    number within int64. Rows without a step value are left out, with a note."""
     n = len(rows)
     steps = np.empty(n, dtype=np.int64)
     keep = np.ones(n, dtype=bool)
@@ -121,30 +154,41 @@ def columns_from_rows(rows: Sequence[Mapping[str, Any]], step_key: str) -> tuple
     keys.pop(step_key, None)
     values = {k: np.full(n, np.nan) for k in keys}
     missing = {k: np.ones(n, dtype=bool) for k in keys}
-    numeric = dict.fromkeys(keys, False)
+    numeric = dict.fromkeys(keys, 0)
+    unreadable: dict[str, list] = {}  # key -> [count, first row, first value]
     bad_steps = 0
+    prefix = f"{source}: " if source else ""
     for i, row in enumerate(rows):
         try:
             s = parse_number(row.get(step_key))
-        except ValueError:
+        except (ValueError, TypeError, OverflowError):
             s = None
         if s is None or not math.isfinite(s):
             keep[i] = False
             bad_steps += 1
             continue
+        why = step_problem(s)
+        if why:
+            raise AnalyzeError(f"{prefix}{where(i)}, key {step_key!r}: {_show_value(row.get(step_key))} {why}; fix that "
+                               f"row or name the step column with --key step=<key>")
         steps[i] = int(s)
         for k, v in row.items():
             if k == step_key:
                 continue
             try:
                 x = parse_number(v)
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, OverflowError):
+                u = unreadable.setdefault(k, [0, i, v])
+                u[0] += 1
                 continue
             if x is None:
                 continue
             values[k][i] = x
             missing[k][i] = False
-            numeric[k] = True
+            numeric[k] += 1
+    for k, (count, i, v) in unreadable.items():
+        if numeric[k] >= count:  # a metric with a bad value in it (more bad than good: a text key)
+            raise AnalyzeError(f"{prefix}{where(i)}, key {k!r}: cannot read {_show_value(v)} as a number; {VALUE_FIX}")
     notes = []
     if bad_steps:
         notes.append(f"{bad_steps} row(s) without a usable {step_key!r} value were left out")
@@ -403,9 +447,13 @@ def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
             if name == run_key:
                 run_labels = np.asarray([str(x).strip() for x in raw])
                 continue
-            values, missing = _strings_to_floats(raw)
+            values, missing, unreadable = _strings_to_floats(raw)
             if values is None:
                 continue  # a text column (a snippet id, a path): not a metric
+            if unreadable is not None and name != step_key:  # (rows without a step are left out, said in a note)  # read as NaN it would be a collapse that never happened
+                line = _csv_line_of(path, delim, j, _unreadable_cell)
+                raise AnalyzeError(f"{path}: line {line}, column {name!r}: cannot read {unreadable!r} as a number; "
+                                   f"{CELL_FIX}")
             cols[name] = values
             miss[name] = missing
     if step_key not in cols:
@@ -422,24 +470,74 @@ def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
             run_labels = run_labels[ok]
     if steps_f.size == 0:
         raise AnalyzeError(f"{path}: no rows with a step value (empty run)")
+    bad = ~(np.abs(steps_f) < 2.0**63) | (steps_f != np.floor(steps_f))
+    if bad.any():
+        x = float(steps_f[np.flatnonzero(bad)[0]])
+        j = header.index(step_key)
+        line = _csv_line_of(path, delim, j, lambda c: _cell_step_problem(c) is not None)
+        cell = _csv_cell(path, delim, line, j)
+        raise AnalyzeError(f"{path}: line {line}, column {step_key!r}: {cell!r} {step_problem(x)}; fix that row "
+                           "or name the step column with --key step=<column>")
     return _split_by_run(path, "csv", steps_f.astype(np.int64), cols, miss, run_labels, notes)
 
 
-def _strings_to_floats(raw: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-    """Object array of cell strings -> (floats, missing) or (None, _) for a text column."""
+def _unreadable_cell(cell: str) -> bool:
+    try:
+        parse_number(cell)
+    except ValueError:
+        return True
+    return False
+
+
+def _cell_step_problem(cell: str) -> str | None:
+    try:
+        x = parse_number(cell)
+    except ValueError:
+        return None
+    return step_problem(x) if x is not None and math.isfinite(x) else None
+
+
+def _csv_rows(path: str, delim: str) -> Iterable[tuple[int, list[str]]]:
+    """(line number, cells) of every data row, as the csv module reads them (error messages only)."""
+    with open(path, "r", encoding="utf-8-sig", newline="") as fh:
+        reader = csv.reader(fh, delimiter=delim)
+        next(reader, None)
+        for cells in reader:
+            yield reader.line_num, cells
+
+
+def _csv_line_of(path: str, delim: str, col: int, pred: Callable[[str], bool]) -> int | str:
+    """The line of the first row whose cell ``col`` satisfies ``pred`` (to name it in an error)."""
+    for line, cells in _csv_rows(path, delim):
+        if col < len(cells) and pred(cells[col]):
+            return line
+    return "?"
+
+
+def _csv_cell(path: str, delim: str, line: int | str, col: int) -> str:
+    for n, cells in _csv_rows(path, delim):
+        if n == line and col < len(cells):
+            return cells[col].strip()
+    return "?"
+
+
+def _strings_to_floats(raw: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, str | None]:
+    """Object array of cell strings -> (floats, missing, first unreadable cell or None), or
+    (None, _, _) for a text column (more cells unreadable than numbers)."""
     stripped = np.char.strip(raw.astype(str))
     low = np.char.lower(stripped)
     missing = np.isin(low, list(_NULL_TOKENS))
     values = np.full(raw.shape[0], np.nan)
     present = ~missing
     if not present.any():
-        return values, missing
+        return values, missing, None
     try:
         values[present] = stripped[present].astype(np.float64)
-        return values, missing
+        return values, missing, None
     except ValueError:
         pass
     bad = 0
+    first = None
     out = values
     for i in np.flatnonzero(present).tolist():
         try:
@@ -447,9 +545,10 @@ def _strings_to_floats(raw: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         except ValueError:
             bad += 1
             missing[i] = True
+            first = str(stripped[i]) if first is None else first
     if bad > 0.5 * present.sum():
-        return None, missing
-    return out, missing
+        return None, missing, None
+    return out, missing, first
 
 
 _BARE_TOKEN = re.compile(r'(?<=[:\[,\s])(-?)(nan|inf|infinity)(?=\s*[,\}\]])', re.IGNORECASE)
@@ -466,9 +565,11 @@ def _json_line(line: str) -> Any:
         return json.loads(fixed)
 
 
-def _read_json_lines(path: str) -> tuple[list[dict], list[str]]:
+def _read_json_lines(path: str) -> tuple[list[dict], list[str], list[int]]:
+    """(rows, notes, the line number of each row)."""
     notes: list[str] = []
     rows: list[dict] = []
+    linenos: list[int] = []
     try:
         with open(path, "r", encoding="utf-8") as fh:
             lines = fh.read().splitlines()
@@ -486,9 +587,10 @@ def _read_json_lines(path: str) -> tuple[list[dict], list[str]]:
         if not isinstance(obj, dict):
             raise AnalyzeError(f"{path}:{lineno}: expected one JSON object per line, got {type(obj).__name__}")
         rows.append(obj)
+        linenos.append(lineno)
     if not rows:
         raise AnalyzeError(f"{path}: no records (empty run)")
-    return rows, notes
+    return rows, notes, linenos
 
 
 _EW_TYPES = {"event", "metrics", "checkpoint"}
@@ -501,15 +603,17 @@ def is_earlywarn_jsonl(rows: Sequence[Mapping]) -> bool:
 
 def read_jsonl(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun]:
     """JSON lines: a metrics row per line, or earlywarn's own event/metric log."""
-    rows, notes = _read_json_lines(path)
+    rows, notes, linenos = _read_json_lines(path)
     if is_earlywarn_jsonl(rows):
-        return [read_earlywarn_rows(path, rows, notes, key_map or {})]
-    return rows_to_runs(path, "jsonl", rows, key_map or {}, notes)
+        return [read_earlywarn_rows(path, rows, notes, key_map or {}, linenos=linenos)]
+    return rows_to_runs(path, "jsonl", rows, key_map or {}, notes, where=lambda i: f"line {linenos[i]}")
 
 
 def rows_to_runs(source: str, fmt: str, rows: Sequence[Mapping[str, Any]], key_map: Mapping[str, str],
-                 notes: list[str] | None = None, *, split_runs: bool = True) -> list[RawRun]:
-    """Dict rows -> runs (one per value of a ``run`` column when ``split_runs``)."""
+                 notes: list[str] | None = None, *, split_runs: bool = True,
+                 where: Callable[[int], str] = _row_name) -> list[RawRun]:
+    """Dict rows -> runs (one per value of a ``run`` column when ``split_runs``); ``where(i)``
+    names row ``i`` in error messages (see :func:`columns_from_rows`)."""
     keys: dict[str, None] = {}
     for r in rows[:1000]:
         keys.update(dict.fromkeys(r))
@@ -519,7 +623,7 @@ def rows_to_runs(source: str, fmt: str, rows: Sequence[Mapping[str, Any]], key_m
                 keys.update(dict.fromkeys(r))
     step_key = _step_key(keys, key_map, source)
     run_key = _run_key(keys, key_map, source) if split_runs else None
-    steps, cols, miss, more = columns_from_rows(rows, step_key)
+    steps, cols, miss, more = columns_from_rows(rows, step_key, source=source, where=where)
     notes = list(notes or []) + more
     if steps.size == 0:
         raise AnalyzeError(f"{source}: no rows with a step value (empty run)")
@@ -545,16 +649,18 @@ EW_PREFIX = "earlywarn/"
 
 
 def read_earlywarn_rows(source: str, rows: Sequence[Mapping[str, Any]], notes: list[str],
-                        key_map: Mapping[str, str]) -> RawRun:
+                        key_map: Mapping[str, str], *, linenos: Sequence[int] | None = None) -> RawRun:
     """earlywarn's JSONL sink output: metrics rows, events, checkpoint records."""
     metric_rows = []
+    metric_lines: list[int] = []
     events: list[Event] = []
     checkpoints: list[int] = []
     resume_steps: list[int] = []
     bad_events = 0
-    for r in rows:
+    for j, r in enumerate(rows):
         t = r.get("type")
         if t == "metrics":
+            metric_lines.append(linenos[j] if linenos is not None else j + 1)
             # keys are written with the earlywarn/ prefix; the analyser speaks the bare names
             metric_rows.append({(k[len(EW_PREFIX):] if k.startswith(EW_PREFIX) else k): v
                                 for k, v in r.items() if k != "type"})
@@ -578,7 +684,8 @@ def read_earlywarn_rows(source: str, rows: Sequence[Mapping[str, Any]], notes: l
             f"{source}: earlywarn log holds no metrics records ({len(events)} event(s)); "
             "write it with JsonlSink(metrics=True) to analyse it"
         )
-    run = rows_to_runs(source, "earlywarn-jsonl", metric_rows, key_map, notes)[0]
+    run = rows_to_runs(source, "earlywarn-jsonl", metric_rows, key_map, notes,
+                       where=lambda i: f"line {metric_lines[i]}")[0]
     run.events = events
     run.checkpoints = sorted(set(checkpoints))
     run.tabular = True
@@ -608,7 +715,7 @@ def read_json(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRu
     if isinstance(obj, dict) and "log_history" in obj:
         return [read_hf_state(path, obj, key_map or {})]
     if isinstance(obj, list) and obj and all(isinstance(r, dict) for r in obj):
-        return rows_to_runs(path, "json", obj, key_map or {})
+        return rows_to_runs(path, "json", obj, key_map or {}, where=lambda i: f"entry {i + 1} of the list")
     raise AnalyzeError(
         f"{path}: unknown JSON layout: expected a Hugging Face trainer_state.json (with log_history) "
         "or a list of row objects"
@@ -620,14 +727,14 @@ def read_hf_state(path: str, obj: Mapping[str, Any], key_map: Mapping[str, str])
     history = obj.get("log_history")
     if not isinstance(history, list) or not history:
         raise AnalyzeError(f"{path}: trainer_state.json has an empty log_history (empty run)")
-    rows = [r for r in history if isinstance(r, dict)]
     # the end-of-training summary (train_runtime, train_loss, ...) is not a training step
-    rows = [r for r in rows if "train_runtime" not in r]
+    index = [i for i, r in enumerate(history) if isinstance(r, dict) and "train_runtime" not in r]
+    rows = [history[i] for i in index]
     if not rows:
         raise AnalyzeError(f"{path}: log_history holds no training entries (empty run)")
     km = dict(key_map)
     km.setdefault("step", "step")
-    return rows_to_runs(path, "hf", rows, km, split_runs=False)[0]
+    return rows_to_runs(path, "hf", rows, km, split_runs=False, where=lambda i: f"log_history[{index[i]}]")[0]
 
 
 def read_npz(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun]:
@@ -638,30 +745,52 @@ def read_npz(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
         z = np.load(path, allow_pickle=False)
     except Exception as e:  # zipfile/pickle errors vary by numpy version
         raise AnalyzeError(f"{path}: not a readable .npz file ({type(e).__name__})") from None
+    def array(k: str) -> np.ndarray:
+        try:
+            return np.asarray(z[k])
+        except ValueError as e:  # numpy refuses object arrays without allow_pickle
+            if "allow_pickle" not in str(e):
+                raise AnalyzeError(f"{path}: array {k!r} cannot be read ({' '.join(str(e).split())[:200]})") from None
+            raise AnalyzeError(f"{path}: array {k!r} holds Python objects (dtype=object), which earlywarn does "
+                               "not unpickle (loading a pickle can run code); save it as numbers, e.g. "
+                               f"np.savez(..., {k}=np.asarray(values, dtype=np.{'int64' if k == step_key else 'float64'}))"
+                               ) from None
+
     with z:
         keys = list(z.files)
         step_key = _step_key(keys, key_map, path)
-        steps = np.asarray(z[step_key])
+        steps = array(step_key)
         if steps.ndim != 1 or steps.size == 0:
             raise AnalyzeError(f"{path}: {step_key!r} must be a non-empty 1-D array (empty run?)")
+        if steps.dtype.kind not in "fiu":
+            raise AnalyzeError(f"{path}: {step_key!r} holds {steps.dtype} values, not numbers; save the steps as "
+                               f"integers, e.g. np.savez(..., {step_key}=np.arange(n))")
         n = steps.shape[0]
         cols: dict[str, np.ndarray] = {}
         prefix = key_map.get("layer_prefix", "grad_norm/")
         for k in keys:
             if k in (step_key, "layer_norms", "layer_names"):
                 continue
-            a = np.asarray(z[k])
+            a = array(k)
             if a.ndim == 1 and a.shape[0] == n and a.dtype.kind in "fiub":
                 cols[k] = a.astype(np.float64)
         if "layer_norms" in keys:
-            ln = np.asarray(z["layer_norms"], dtype=np.float64)
-            names = [str(x) for x in z["layer_names"]] if "layer_names" in keys else [f"layer{i}" for i in range(ln.shape[1])]
+            ln = array("layer_norms")
+            if ln.dtype.kind not in "fiub":
+                raise AnalyzeError(f"{path}: 'layer_norms' holds {ln.dtype} values, not numbers")
+            ln = ln.astype(np.float64)
+            names = [str(x) for x in array("layer_names")] if "layer_names" in keys else [f"layer{i}" for i in range(ln.shape[1])]
             if ln.ndim != 2 or ln.shape[0] != n or ln.shape[1] != len(names):
                 raise AnalyzeError(f"{path}: layer_norms must be (steps x layers) matching step and layer_names")
             for j, name in enumerate(names):
                 cols[prefix + name] = ln[:, j]
     if not np.all(np.isfinite(steps)):
         raise AnalyzeError(f"{path}: {step_key!r} holds non-finite values")
+    if steps.dtype.kind == "f" or (steps.dtype.kind == "u" and steps.dtype.itemsize == 8):
+        for i in np.flatnonzero(~(np.abs(steps.astype(np.float64)) < 2.0**63)
+                                | (steps.astype(np.float64) != np.floor(steps.astype(np.float64))))[:1].tolist():
+            raise AnalyzeError(f"{path}: {step_key}[{i}] = {steps[i].item()!r} {step_problem(float(steps[i]))}; "
+                               "save the steps as int64")
     miss = {k: np.zeros(n, dtype=bool) for k in cols}  # NaN in an array is a logged NaN
     return _split_by_run(path, "npz", steps.astype(np.int64), cols, miss, None, [])
 
@@ -830,6 +959,7 @@ SOURCE_FORMS = """\
   mlflow:<tracking_uri>#<run_id>           one MLflow run (e.g. mlflow:sqlite:///mlflow.db#3f2a...)
   mlflow:<tracking_uri>#experiment=<name>  every run of an MLflow experiment
   wandb:<entity>/<project>/<run_id>        a hosted W&B run (full history via scan_history)
+  wandb:<entity>/<project>                 every run of a hosted W&B project
   <dir with a .wandb file>, <file>.wandb   an offline W&B run (wandb/offline-run-*/)
   <tfevents file or dir>                   TensorBoard event files (one run per directory)
   trainer_state.json, <checkpoint dir>     Hugging Face Trainer log_history

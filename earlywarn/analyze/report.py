@@ -543,23 +543,30 @@ def render_rich(report: Report, console: Any, *, max_alerts: int = 20) -> None:
                   f"{s['saved_steps']} steps a rewind would have saved; {s['seconds']:.2f} s", highlight=False)
 
 
-def plot(report: Report, path: str) -> None:
+def plot(report: Report, path: str) -> list[list[str]]:
     """PNG: per run, grad norm (log axis) and loss, with alerts, collapses and resumes marked.
+    Returns each run's legend entries.
 
     A run with gaps or resumes is drawn against its log rows (ticks labelled with steps), so a
-    few quoted lines 20,000 steps apart, or a segment that re-runs steps, stay readable.
+    few quoted lines 20,000 steps apart, or a segment that re-runs steps, stay readable. Each
+    legend lists what that run's picture shows, and nothing else.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     runs = report.runs
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.2 * len(runs)), squeeze=False)
     colors = {Level.INFO: "tab:cyan", Level.WARNING: "tab:orange", Level.CRITICAL: "tab:red"}
+    names = {Level.INFO: "info alert", Level.WARNING: "warning", Level.CRITICAL: "critical"}
+    legends: list[list[str]] = []
     for ax, r in zip(axes[:, 0], runs):
         c, rep = r.clean, r.replay
         ax.set_title(_short(r.label, 90), fontsize=9)
+        handles: list[Any] = []
+        legends.append([])
         if c is None or rep is None:
             continue
         by_rows = bool(c.gaps or c.resumes)
@@ -569,6 +576,7 @@ def plot(report: Report, path: str) -> None:
         if g_ok.any():
             ax.semilogy(x[g_ok], c.grad_norm[g_ok], ".-" if g_ok.sum() < 200 else "-", lw=0.7, ms=3,
                         color="tab:blue", label="grad norm")
+            handles.append(plt.Line2D([], [], color="tab:blue", label="grad norm"))
         ax.set_ylabel("grad norm (log)")
         l_ok = c.loss_known & np.isfinite(c.loss)
         if l_ok.any():
@@ -576,6 +584,7 @@ def plot(report: Report, path: str) -> None:
             ax2.plot(x[l_ok], c.loss[l_ok], ".-" if l_ok.sum() < 200 else "-", lw=0.7, ms=3,
                      color="tab:green", label="loss")
             ax2.set_ylabel("loss")
+            handles.append(plt.Line2D([], [], color="tab:green", label="loss"))
         if by_rows:
             ticks = np.unique(np.linspace(0, len(c) - 1, min(len(c), 8)).astype(int))
             ax.set_xticks(ticks)
@@ -583,24 +592,34 @@ def plot(report: Report, path: str) -> None:
             for a_, b_ in c.gaps:
                 i = int(np.flatnonzero(c.step == b_)[0])
                 ax.axvline(i - 0.5, color="lightgray", lw=3, alpha=0.6)
+            if c.gaps:
+                handles.append(plt.Line2D([], [], color="lightgray", lw=3, label="gap"))
+        levels = set()
         for ev, row in zip(r.alerts, rep.alert_rows):
             faint = ev.level <= Level.INFO
             ax.axvline(x[row], color=colors.get(ev.level, "gray"), lw=0.5 if faint else 1.0, alpha=0.3 if faint else 0.8)
+            levels.add(ev.level)
+        for lvl in sorted(levels):
+            handles.append(plt.Line2D([], [], color=colors.get(lvl, "gray"), alpha=0.5 if lvl <= Level.INFO else 1.0,
+                                      label=names.get(lvl, str(lvl))))
+        lead = False
         for inc in r.incidents:
             ax.axvline(x[inc.collapse_row], color="black", lw=1.5, ls="--")
             if inc.first_warning_row is not None:
                 ax.axvspan(x[inc.first_warning_row], x[inc.collapse_row], color="tab:orange", alpha=0.15)
+                lead = True
+        if r.incidents:
+            handles.append(plt.Line2D([], [], color="black", ls="--", label="collapse"))
+        if lead:
+            handles.append(Patch(color="tab:orange", alpha=0.15, label="first warning to collapse"))
         for res in c.resumes:
             ax.axvline(x[res.row], color="purple", lw=1.0, ls=":")
-        handles = [plt.Line2D([], [], color="tab:blue", label="grad norm"),
-                   plt.Line2D([], [], color="tab:green", label="loss"),
-                   plt.Line2D([], [], color="tab:orange", label="warning"),
-                   plt.Line2D([], [], color="tab:red", label="critical"),
-                   plt.Line2D([], [], color="black", ls="--", label="collapse"),
-                   plt.Line2D([], [], color="purple", ls=":", label="resume")]
-        if by_rows and c.gaps:
-            handles.append(plt.Line2D([], [], color="lightgray", lw=3, label="gap"))
-        ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=4, framealpha=0.6)
+        if c.resumes:
+            handles.append(plt.Line2D([], [], color="purple", ls=":", label="resume"))
+        if handles:
+            ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=4, framealpha=0.6)
+        legends[-1] = [h.get_label() for h in handles]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return legends

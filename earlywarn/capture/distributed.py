@@ -8,14 +8,15 @@ and the next all-reduce spreads it (WeatherGenerator#2724).
 
 Two layouts of the gradients:
 
-* **Replicated (DDP).** After ``backward()`` DDP has already averaged the gradients: every rank
-  holds the same values, so the layer norms are the same everywhere without a collective. Only
-  the reported loss is rank-local. When no loss is reported, nothing is exchanged (zero
-  collectives). When a loss is reported, the whole vector goes through **one** SUM all-reduce
-  and is divided by the world size: the detector sees the mean loss over ranks (the global-batch
-  loss for equal per-rank batches) and the layer norms are unchanged -- except that a gradient
-  made non-finite on one rank only *after* DDP's reduction (a hardware fault) now turns the
-  vector non-finite on every rank, so all of them skip.
+* **Replicated (DDP).** After ``backward()`` DDP has already averaged the gradients, so every
+  rank *should* hold the same values -- but not always: silent data corruption on one GPU, or a
+  rank-local bug between the all-reduce and the step (clipping, an in-place op), makes one rank's
+  gradient non-finite alone, and a rank-local skip then lets the replicas drift apart for good.
+  So the whole vector goes through **one** SUM all-reduce every step (a few dozen numbers,
+  issued on the device without a host sync) and is divided by the world size: the layer norms
+  are unchanged when the replicas agree, a non-finite value on any rank makes the entry
+  non-finite on every rank (all of them skip), and the detector sees the mean loss over ranks
+  (the global-batch loss for equal per-rank batches).
 * **Sharded (FSDP2 ``fully_shard``, DTensor gradients).** Each rank computes squared norms of its
   *local* shards (``GradStats`` weights every tensor by the share of the world that holds a copy
   of it, so that the sum over ranks is exact), and **one** SUM all-reduce of the whole vector per
@@ -57,19 +58,20 @@ class StatsReducer:
         self._post: torch.Tensor | None = None
 
     def needs_collective(self, loss_reported: bool) -> bool:
-        """Whether this step's vector must be exchanged (identical on every rank by the rule above)."""
-        if self.world_size == 1:
-            return False
-        return self.sharded or loss_reported
+        """Whether this step's vector must be exchanged: always with more than one rank (see the
+        module docstring: replicas that should agree are exactly where a rank-local fault hides)."""
+        return self.world_size > 1
 
     def _post_scale(self, vec: torch.Tensor) -> torch.Tensor:
         # After the SUM: sharded layer entries are already exact sums; replicated entries (DDP
         # layers, the loss, the loss scale) are means over ranks.
         if self._post is None or self._post.device != vec.device or self._post.dtype != vec.dtype:
-            post = torch.full(vec.shape, 1.0 / self.world_size, dtype=vec.dtype)
+            # Filled on the device (fill kernels take the value as an argument): a host-built
+            # tensor copied over would be a blocking host-to-device copy.
+            post = torch.full(vec.shape, 1.0 / self.world_size, dtype=vec.dtype, device=vec.device)
             if self.sharded:
-                post[: self.layer_map.num_layers] = 1.0
-            self._post = post.to(vec.device)
+                post[: self.layer_map.num_layers].fill_(1.0)
+            self._post = post
         return self._post
 
     def reduce(self, vec: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:

@@ -1,8 +1,22 @@
 """Per-layer gradient norms and non-finite flags computed on the device, without host syncs.
 
-One ``torch._foreach_norm`` pass over the gradients (the memory-bandwidth floor of any norm
-check), then an ``index_add_`` of the squared norms into one small per-layer vector. Nothing here
+One ``torch._foreach_norm`` pass per (device, dtype) group of gradients -- the memory-bandwidth
+floor of any norm check; torch's fused multi-tensor kernel needs one device and one dtype, so a
+mixed-dtype or multi-device model keeps it by being split -- then the per-tensor norms are
+gathered on one device and summed per layer in a fixed order into one small vector. Nothing here
 reads a value on the host: the watcher moves the whole vector in one transfer.
+
+Accumulation is float64 where it is free: on CUDA the norm kernel accumulates in the output
+dtype in registers, so one huge finite element (float32 squares overflow above ~1.8e19) stays
+a finite spike instead of a false "non-finite". On CPU a float64 norm first copies the tensor
+(~30x slower), so it accumulates in float32 and the watcher recounts a layer whose norm
+overflowed on the rare path (``layer_sq_norms(exact=True)``), unless the whole run needs
+exact norms up front (``GradStats(exact=True)``: async mode, where that rare path cannot run).
+
+Where the gradients live decides where the vector lives: on a CUDA device whenever any gradient
+is on CUDA (a model with CPU-offloaded parts included), and copies go ``non_blocking`` only
+toward CUDA (from pinned memory): a non-blocking copy *to* the CPU returns before the data has
+landed, and reading it at once is a race.
 
 Sharded gradients (FSDP2 ``fully_shard``, tensor parallel: DTensors) are read through their
 local shards -- a norm of the DTensor itself would issue one collective per tensor -- and each
@@ -11,6 +25,8 @@ summing the vector over ranks (``capture.distributed``, one all-reduce) gives ex
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +39,7 @@ except ImportError:  # pragma: no cover
 
 
 def _stat_dtype(device: torch.device) -> torch.dtype:
-    # float64 so that squaring a large-but-finite fp32 norm cannot overflow into a false "non-finite";
+    # float64 so that squaring a large-but-finite norm cannot overflow into a false "non-finite";
     # it is a vector of a few dozen numbers, so the precision is free. MPS has no float64.
     return torch.float32 if device.type == "mps" else torch.float64
 
@@ -64,88 +80,157 @@ def _copy_weight(t: torch.Tensor, world_size: int) -> float:
     return 1.0 / (copies * (world_size // mesh.size()))
 
 
-class GradStats:
-    """Turns the current ``.grad`` of a :class:`LayerMap`'s parameters into device statistics."""
+def gather_device(devices: "list[torch.device] | tuple[torch.device, ...]") -> torch.device:
+    """Where per-tensor results from ``devices`` are combined: the first CUDA device if any."""
+    return next((d for d in devices if d.type == "cuda"), devices[0])
 
-    def __init__(self, layer_map: LayerMap):
+
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait: non-blocking only toward CUDA, and from
+    pinned memory (a pageable source may make the copy synchronous)."""
+    dtype = t.dtype if dtype is None else dtype
+    if t.device == device:
+        return t.to(dtype)
+    if device.type == "cuda":
+        if t.device.type == "cpu":
+            t = t.to(dtype).pin_memory()  # the host allocator keeps it alive until the copy lands
+        return t.to(device, dtype, non_blocking=True)
+    return t.to(device, dtype)  # toward the host: blocking, so the values are there when read
+
+
+def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.dtype | None:
+    if dtype.is_complex:
+        return None  # the norm of a complex tensor is real already
+    if dtype == torch.float64 or (device.type != "mps" and (exact or device.type == "cuda")):
+        return torch.float64
+    return torch.float32
+
+
+@dataclass
+class _Group:
+    device: torch.device
+    dtype: torch.dtype
+    sparse: bool
+    members: list[int]  # positions in GradStats._present
+
+
+class GradStats:
+    """Turns the current ``.grad`` of a :class:`LayerMap`'s parameters into device statistics.
+
+    ``exact``: accumulate in float64 on every device (else only on CUDA, see the module note).
+    """
+
+    def __init__(self, layer_map: LayerMap, *, exact: bool = False):
         self.layer_map = layer_map
+        self.exact = exact
         self._key: tuple[bool, ...] | None = None
         self._present: list[int] = []
+        self._groups: list[_Group] = []
+        self._device = gather_device([_local(p).device for p in layer_map.params])
         self._index: torch.Tensor | None = None
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
         self._world = torch.distributed.get_world_size() if self.sharded else 1
         self._weights: torch.Tensor | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the statistics vector lives."""
+        return self._device
+
     def _grads(self) -> list[torch.Tensor]:
         params = self.layer_map.params
         key = tuple(p.grad is not None for p in params)
         if key != self._key:
-            # Parameters without a gradient this step (unused branches) drop out; re-index once.
+            # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
             self._key = key
             self._present = [i for i, has in enumerate(key) if has]
+            groups: dict[tuple, _Group] = {}
+            for pos, i in enumerate(self._present):
+                g = _local(params[i].grad)  # type: ignore[arg-type]
+                k = (g.device, g.dtype, g.is_sparse)
+                groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
+            self._groups = list(groups.values())
             self._index = None
             self._weights = None
         return [params[i].grad for i in self._present]  # type: ignore[misc]
 
-    def _weight(self, grads: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    def _order(self) -> list[int]:
+        # positions in _present, in the order the per-tensor results are concatenated
+        return [m for grp in self._groups for m in grp.members]
+
+    def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
         if not self.sharded:
             return None
-        if self._weights is None or self._weights.device != device or self._weights.dtype != dtype:
-            self._weights = torch.tensor([_copy_weight(g, self._world) for g in grads], dtype=dtype, device=device)
+        if self._weights is None or self._weights.dtype != dtype:
+            w = torch.tensor([_copy_weight(grads[m], self._world) for m in self._order()], dtype=dtype)
+            self._weights = to_device(w, self._device)
         return self._weights
 
-    def _layer_index(self, device: torch.device) -> torch.Tensor:
-        if self._index is None or self._index.device != device:
+    def _per_layer(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """Per-tensor values -> per-layer sums, in a fixed order on every run and rank: a gather
+        into a (layers x widest layer) table padded with zeros, then row sums (``index_add_``
+        uses atomics on CUDA, whose order -- and so the last bits -- can differ between ranks)."""
+        if self._index is None:
             layer_of = self.layer_map.layer_of
-            self._index = torch.tensor([layer_of[i] for i in self._present], dtype=torch.long, device=device)
-        return self._index
+            rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
+            for col, pos in enumerate(self._order()):
+                rows[layer_of[self._present[pos]]].append(col)
+            pad = len(self._present)  # the appended zero
+            width = max(1, max(len(r) for r in rows))
+            table = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+            self._index = to_device(table, self._device)
+        padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
+        return padded[self._index].sum(dim=1)
 
-    def layer_sq_norms(self, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Squared L2 norm of each layer's gradient, shape ``(num_layers,)``, on the grads' device.
+    def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None) -> torch.Tensor:
+        """Squared L2 norm of each layer's gradient, shape ``(num_layers,)``, on :attr:`device`.
 
         ``inv_scale`` (a device scalar) unscales gradients that a fused optimizer will unscale
-        itself inside its kernel (GradScaler + fused Adam leaves them scaled).
+        itself inside its kernel (GradScaler + fused Adam leaves them scaled). ``exact``:
+        float64 accumulation on every device for this call (the rare-path recount).
         """
+        exact = self.exact if exact is None else exact
         dgrads = self._grads()
-        grads = [_local(g) for g in dgrads]
-        num_layers = self.layer_map.num_layers
-        if not grads:
-            device = self.layer_map.params[0].device
-            return torch.zeros(num_layers, dtype=_stat_dtype(device), device=device)
-        device = grads[0].device
-        dtype = _stat_dtype(device)
-        if any(g.is_sparse for g in grads):
-            norms = [torch.linalg.vector_norm(g.coalesce()._values()) if g.is_sparse else torch.linalg.vector_norm(g) for g in grads]
-        else:
-            # float32 accumulation for low-precision grads; float64 grads cannot be narrowed to it.
-            wide = any(g.dtype == torch.float64 for g in grads)
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float64 if wide else torch.float32)
-        if all(n.device == device for n in norms):
-            per_tensor = torch.stack(norms).to(dtype)
-        else:  # a model spread over several devices: bring the norms together (non-blocking)
-            per_tensor = torch.stack([n.to(device, dtype, non_blocking=True) for n in norms])
+        dtype = _stat_dtype(self._device)
+        if not dgrads:
+            return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
+        parts = []
+        for grp in self._groups:
+            grads = [_local(dgrads[m]) for m in grp.members]
+            acc = _acc_dtype(grp.device, grp.dtype, exact)
+            if grp.sparse:
+                norms = [torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads]
+            elif acc is None:
+                norms = torch._foreach_norm(grads, 2)
+            else:
+                norms = torch._foreach_norm(grads, 2, dtype=acc)
+            parts.append(to_device(torch.stack(norms), self._device, dtype))
+        per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
         if inv_scale is not None:
-            per_tensor = per_tensor * inv_scale.to(device, dtype, non_blocking=True)
+            per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
-        weight = self._weight(dgrads, device, dtype)
+        weight = self._weight(dgrads, dtype)
         if weight is not None:
             sq = sq * weight
-        out = torch.zeros(num_layers, dtype=dtype, device=device)
-        return out.index_add_(0, self._layer_index(device), sq)
+        return self._per_layer(sq)
 
     def layer_nonfinite_counts(self) -> torch.Tensor:
         """Count of non-finite gradient elements per layer (a second pass: only on a bad step).
 
         Sharded: counts of this rank's shards, weighted like the norms (sum over ranks = global)."""
         dgrads = self._grads()
-        grads = [_local(g) for g in dgrads]
-        device = grads[0].device if grads else self.layer_map.params[0].device
-        out = torch.zeros(self.layer_map.num_layers, dtype=torch.float64 if device.type != "mps" else torch.float32, device=device)
-        if not grads:
-            return out
-        counts = torch.stack([(~torch.isfinite(g)).sum().to(device, out.dtype) for g in grads])
-        weight = self._weight(dgrads, device, out.dtype)
+        dtype = _stat_dtype(self._device)
+        if not dgrads:
+            return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
+        parts = []
+        for grp in self._groups:
+            grads = [_local(dgrads[m]) for m in grp.members]
+            values = [g.coalesce()._values() if grp.sparse else g for g in grads]
+            counts = torch.stack([torch.isfinite(v).logical_not_().sum() for v in values])
+            parts.append(to_device(counts, self._device, dtype))
+        counts = parts[0] if len(parts) == 1 else torch.cat(parts)
+        weight = self._weight(dgrads, dtype)
         if weight is not None:
             counts = counts * weight
-        return out.index_add_(0, self._layer_index(device), counts)
+        return self._per_layer(counts)

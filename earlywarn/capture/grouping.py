@@ -11,7 +11,38 @@ GroupBy = Union[str, int, Callable[[str], str]]
 ROOT = "<root>"
 
 
-def _group_name(param_name: str, group_by: GroupBy) -> str:
+# Path components that wrappers insert and users never write: torch.compile's OptimizedModule
+# (`_orig_mod`), FSDP1, activation checkpointing, torchrec. Counted, they would shift `depth:N`.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_dmp_wrapped_module"})
+
+
+def _wrapper_prefix(model: torch.nn.Module) -> tuple[str, ...]:
+    """The leading path components of the wrappers around the user's model: `module` for DDP /
+    DataParallel (only there: a submodule the user named `module` is a real name), `_orig_mod`
+    for a compiled one, in any nesting."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    prefix: list[str] = []
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            prefix.append("module")
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), torch.nn.Module):
+            prefix.append("_orig_mod")
+            model = model._orig_mod
+        else:
+            return tuple(prefix)
+
+
+def user_name(param_name: str, prefix: tuple[str, ...] = ()) -> str:
+    """``param_name`` as the user's own model names it (wrapper components removed)."""
+    parts = param_name.split(".")
+    if prefix and tuple(parts[: len(prefix)]) == prefix:
+        parts = parts[len(prefix):]
+    return ".".join(p for p in parts if p not in _WRAPPER_PARTS)
+
+
+def _group_name(param_name: str, group_by: GroupBy, prefix: tuple[str, ...] = ()) -> str:
     if callable(group_by):
         name = group_by(param_name)
         if not isinstance(name, str) or not name:
@@ -19,9 +50,10 @@ def _group_name(param_name: str, group_by: GroupBy) -> str:
                 f"group_by returned {name!r} for parameter {param_name!r}: it must return a non-empty layer name"
             )
         return name
-    module_path = param_name.rpartition(".")[0]
     if group_by == "module":
-        return module_path or ROOT
+        return param_name.rpartition(".")[0] or ROOT  # named as the parameters are, wrappers included
+    # depth counts the user's own modules: a wrapper's components would shift it
+    module_path = user_name(param_name, prefix).rpartition(".")[0]
     depth = group_by if isinstance(group_by, int) else int(str(group_by).partition(":")[2])
     parts = module_path.split(".") if module_path else []
     return ".".join(parts[:depth]) or ROOT
@@ -71,7 +103,9 @@ def build_layer_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gr
     """Name every parameter the optimizer steps and group them into layers.
 
     Layers start in reverse registration order (a good first guess at backward order); the
-    watcher refines it to the real backward order after the first backward pass.
+    watcher refines it to the real backward order after the first backward pass. ``depth:N``
+    counts the user's own modules: the components wrappers add (DDP's ``module.``,
+    ``torch.compile``'s ``_orig_mod.``) are not counted, nor part of the layer's name.
     """
     _check_group_by(group_by)
     if not isinstance(model, torch.nn.Module):
@@ -105,7 +139,8 @@ def build_layer_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gr
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     params.sort(key=lambda p: order[id(p)])
     param_names = [names[id(p)] for p in params]
-    groups = [_group_name(n, group_by) for n in param_names]
+    prefix = _wrapper_prefix(model)
+    groups = [_group_name(n, group_by, prefix) for n in param_names]
     layer_names: list[str] = []
     index: dict[str, int] = {}
     for g in groups:

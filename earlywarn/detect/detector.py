@@ -24,8 +24,15 @@ What is alarming is *escalation*, not one spike:
   Per-layer signals never warn on their own (small layers are spiky); they name the layers that
   moved. A warning consumes its evidence; another may follow ``rearm_steps`` later if the rise
   goes on.
-- ``critical``: NONFINITE_GRAD (before the optimizer step), LOSS_NONFINITE, LOSS_DIVERGED, or a
-  loss scaler that keeps overflowing.
+- ``warning`` COLLAPSE_RISK on the learning rate (``extras["lr"]``): a step's LR at least
+  ``lr_jump_ratio`` times the highest LR of the steps ``lr_ref_steps`` back (a pulse or a steep
+  re-warm-up; seen before the update it scales). A log with the loss and no gradient: the loss
+  rising for several steps on its own (``loss_only_h``).
+- ``critical``: NONFINITE_GRAD (before the optimizer step), LOSS_NONFINITE, LOSS_DIVERGED (the
+  loss at least ``loss_diverge_ratio`` times its baseline *and* ``loss_diverge_z`` of its own
+  scales above it for ``loss_diverge_steps`` steps in a row: a noisy small-batch loss is judged
+  in its own noise, and a two-step excursion is never a divergence), or a loss scaler that keeps
+  overflowing. A loss <= 0 moves the loss channel to ``log(loss + c)`` (see ``_shift_loss``).
 
 Spikes, skipped steps, overflow steps and non-finite values never enter a baseline.
 """
@@ -52,7 +59,7 @@ SCORE_CAP = 1000.0  # score of a non-finite step (metrics backends dislike inf)
 _NAN = float("nan")
 _TINY = 1e-300
 _BIG = 1 << 30
-STATE_VERSION = 2
+STATE_VERSION = 3
 _F64 = np.float64
 _F64DT = np.dtype(np.float64)
 try:  # the C function itself: np.count_nonzero adds a Python wrapper and a dispatcher per call
@@ -96,8 +103,13 @@ class DetectorState(NamedTuple):
     ep_first_layer: int = -1
     ep_warned: bool = False
     since_warn: int = _BIG  # steps since the last warning
-    loss_div: int = 0  # consecutive steps at or above loss_diverge_ratio
+    loss_div: int = 0  # consecutive steps at or above the divergence threshold
     loss_div_fired: bool = False
+    loss_shift: float = 0.0  # the loss channel tracks log(loss + loss_shift); > 0 once a loss <= 0 was seen
+    lr_ring: tuple[float, ...] = ()  # the last lr_ref_steps learning rates (a ring)
+    lr_pos: int = 0
+    lr_n: int = 0  # learning rates seen
+    lr_ref: float = 0.0  # the highest LR of the steps at least lr_ref_steps back
     nonfinite: int = 0  # consecutive non-finite-gradient steps
     overflow: int = 0  # consecutive loss-scaler overflows
     loss_scale: float = _NAN
@@ -140,17 +152,26 @@ class DetectorState(NamedTuple):
             kw["absent"] = tuple(int(i) for i in kw["absent"])
         if kw.get("dev") is not None:
             kw["dev"] = np.array(kw["dev"], dtype=np.float64)
+        if "lr_ring" in kw:
+            kw["lr_ring"] = tuple(float(v) for v in kw["lr_ring"])
         for k in ("step", "pattern", "ep_start", "ep_peak_step", "ep_peak_chan", "ep_first_layer",
-                  "since_warn", "loss_div", "nonfinite", "overflow", "level"):
+                  "since_warn", "loss_div", "nonfinite", "overflow", "level", "lr_pos", "lr_n"):
             if k in kw:
                 kw[k] = int(kw[k])
-        for k in ("joint", "ep_peak_dev", "loss_scale"):
+        for k in ("joint", "ep_peak_dev", "loss_scale", "loss_shift", "lr_ref"):
             if k in kw:
                 kw[k] = float(kw[k])
         for k in ("fast", "episode", "ep_warned", "loss_div_fired", "hot", "score_cap", "scale_pending"):
             if k in kw:
                 kw[k] = bool(kw[k])
         return cls(**kw)
+
+
+def _loss_shift_for(loss: float, shift: float) -> float:
+    """The offset that makes ``loss + offset`` comfortably positive: a power of two at least
+    ``1 + 2 |loss|`` and at least twice the old one (so it changes rarely, and never back)."""
+    need = 1.0 + 2.0 * abs(loss)
+    return max(2.0 * shift, 2.0 ** math.ceil(math.log2(need)))
 
 
 def _score(cap: bool, dev: np.ndarray | None, scale: np.ndarray) -> float:
@@ -177,7 +198,7 @@ class _Work:
                  "k", "lmask", "lcmp", "n_lay", "ztmp", "dev_nan", "has_dev", "step", "pattern",
                  "fast", "episode", "ep_start", "ep_peak_step", "ep_peak_chan", "ep_peak_dev", "ep_first_layer", "ep_warned", "since_warn",
                  "loss_div", "loss_div_fired", "nonfinite", "overflow", "loss_scale", "scale_pending",
-                 "score_cap", "level", "hot")
+                 "score_cap", "level", "hot", "loss_shift", "lr_ring", "lr_pos", "lr_n", "lr_ref")
 
     def __init__(self, channels: tuple[str, ...]):
         n = len(channels)
@@ -219,12 +240,21 @@ class _Consts(NamedTuple):
     fixed: np.ndarray  # bool: the run-level channels (grad, loss, update, param), not layers
     min_scale: np.ndarray  # per channel (the loss has its own floor)
     spike_w: np.ndarray  # spike_z / admit_z: the spike threshold in units of the width
+    warns: np.ndarray  # bool: the run-level channels that may escalate or jump into a warning
 
 
 def _fmt(x: float) -> str:
+    """A value for a message: 3 significant digits, non-finite values as words ("NaN", "inf")."""
+    if x != x:
+        return "NaN"
     if not math.isfinite(x):
-        return str(x)
+        return "inf" if x > 0 else "-inf"
     return f"{x:.3g}"
+
+
+def _times(r: float) -> str:
+    """A ratio for a message: "2.4x", or "NaN" / "inf" (never "nanx")."""
+    return f"{_fmt(r)}x" if math.isfinite(r) else _fmt(r)
 
 
 class Detector:
@@ -243,6 +273,7 @@ class Detector:
         c = self.cfg
         self._log_jump = math.log(c.jump_ratio) if math.isfinite(c.jump_ratio) else math.inf
         self._log_div = math.log(c.loss_diverge_ratio)
+        self._div_z = float(c.loss_diverge_z)
         # a channel is mature once its EMA rates no longer depend on its count
         self._mature_n = float(max(c.warmup_steps, math.ceil(1.0 / c.alpha), math.ceil(1.0 / c.scale_alpha)))
         self._scale0 = max(c.prior_scale, c.min_scale, c.loss_min_scale)
@@ -251,8 +282,13 @@ class Detector:
         self._drift_h, self._alone_h = float(c.drift_h), float(c.drift_alone_h)
         # each step's evidence is winsorised at admit_z, as values entering a baseline are
         self._tcap = self._A = float(c.admit_z)
+        self._alone_u = float(c.update_alone_h) if c.update_warns else math.inf
+        self._loss_only_h = float(c.loss_only_h)
+        self._lr_jump, self._lr_k = float(c.lr_jump_ratio), int(c.lr_ref_steps)
+        self._lr_ready = max(int(c.warmup_steps), self._lr_k)  # LR values seen before the rule may fire
         self._calm_consts = (self._kd, self._spike_z, self._A, self._tcap, self._tk, self._drift_h,
-                             self._alone_h, self._log_div)
+                             self._alone_h, self._log_div, self._div_z, self._alone_u, bool(c.update_warns),
+                             self._lr_jump, self._lr_k, self._lr_ready, self._loss_only_h)
         self._force_full = False  # tests: run every step through the general path
 
     def _k(self, n: int) -> _Consts:
@@ -271,8 +307,11 @@ class Detector:
             fixed[:N_FIXED] = True
             min_scale = np.full(n, float(c.min_scale))
             min_scale[LOSS] = c.loss_min_scale
+            warns = fixed.copy()
+            if not c.update_warns:
+                warns[UPDATE] = warns[PARAM] = False
             k = self._consts[n] = _Consts(lmin, lgrowth, lwarn, gradlike, fixed, min_scale,
-                                          np.full(n, float(c.spike_z) / float(c.admit_z)))
+                                          np.full(n, float(c.spike_z) / float(c.admit_z)), warns)
         return k
 
     # ------------------------------------------------------------------------------------------
@@ -291,17 +330,24 @@ class Detector:
         stats = np.zeros((N_ROWS, len(channels)))
         stats[SCALE] = self._scale0
         stats[WIDTH] = self._scale0 * self._A
+        shift = 0.0
         for key, value in (baseline or {}).items():
             if key not in channels:
                 raise ValueError(f"baseline key {key!r} is not a signal of this detector; use one "
                                  f"of {list(FIXED_NAMES)} or 'grad_norm/<layer>'")
-            v = float(value)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"baseline[{key!r}]={value!r}: use a finite value > 0")
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                v = _NAN
+            if key == "loss" and math.isfinite(v) and v <= 0:
+                shift = _loss_shift_for(v, 0.0)  # a loss that is negative by nature (an NLL)
+            elif not (math.isfinite(v) and v > 0):
+                raise ValueError(f"baseline[{key!r}]={value!r}: use a finite number > 0 "
+                                 "(a loss may be any finite number)")
             i = channels.index(key)
-            stats[MU, i] = math.log(v)
+            stats[MU, i] = math.log(v + shift) if key == "loss" else math.log(v)
             stats[COUNT, i] = float(self.cfg.warmup_steps)
-        return DetectorState(step=-1, channels=channels, stats=stats)
+        return DetectorState(step=-1, channels=channels, stats=stats, loss_shift=shift)
 
     def update(self, state: DetectorState, obs: Observation) -> tuple[list[Event], DetectorState]:
         """Feed one step; returns the alerts it raised and the next state (``state`` is left as
@@ -330,8 +376,13 @@ class Detector:
         for name in ("step", "pattern", "fast", "episode", "ep_start", "ep_peak_step", "ep_peak_chan",
                      "ep_peak_dev", "ep_first_layer", "ep_warned", "since_warn", "loss_div",
                      "loss_div_fired", "nonfinite", "overflow", "loss_scale", "scale_pending",
-                     "score_cap", "level", "hot"):
+                     "score_cap", "level", "hot", "loss_shift", "lr_pos", "lr_n", "lr_ref"):
             setattr(w, name, getattr(s, name))
+        K = self.cfg.lr_ref_steps
+        w.lr_ring = list(s.lr_ring) if len(s.lr_ring) == K else [0.0] * K
+        if len(s.lr_ring) != K:
+            w.lr_pos = w.lr_n = 0
+            w.lr_ref = 0.0
         self._refresh(w)
         return w
 
@@ -348,7 +399,8 @@ class Detector:
             ep_first_layer=w.ep_first_layer, ep_warned=w.ep_warned, since_warn=w.since_warn,
             loss_div=w.loss_div, loss_div_fired=w.loss_div_fired, nonfinite=w.nonfinite,
             overflow=w.overflow, loss_scale=w.loss_scale, scale_pending=w.scale_pending,
-            score_cap=w.score_cap, level=w.level, hot=w.hot,
+            score_cap=w.score_cap, level=w.level, hot=w.hot, loss_shift=w.loss_shift,
+            lr_ring=tuple(w.lr_ring), lr_pos=w.lr_pos, lr_n=w.lr_n, lr_ref=w.lr_ref,
             absent=tuple(int(i) for i in np.flatnonzero(~w.lmask)))
 
     def _refresh(self, w: _Work) -> None:
@@ -382,13 +434,15 @@ class Detector:
         pattern = 0 if g is None else 1
         if loss is not None:
             pattern |= 2
-        u = p = loss_scale = None
+        u = p = loss_scale = lr = None
         if ex:
-            u, p, loss_scale = ex.get("update_norm"), ex.get("param_norm"), ex.get("loss_scale")
+            u, p, loss_scale, lr = ex.get("update_norm"), ex.get("param_norm"), ex.get("loss_scale"), ex.get("lr")
             if u is not None:
                 pattern |= 4
             if p is not None:
                 pattern |= 8
+            if lr is not None:
+                pattern |= 32
         nl = w.nl
         if ln is not None and nl:
             if len(ln) != nl:
@@ -409,9 +463,10 @@ class Detector:
                 return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
             y[0] = _log(g)
         if loss is not None:
-            if not loss > 0.0:
+            lv = loss + w.loss_shift  # + 0.0 unless the loss has gone <= 0 (see _shift_loss)
+            if not lv > 0.0:
                 return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
-            y[1] = _log(loss)
+            y[1] = _log(lv)
         if pattern & 12:
             if u is not None:
                 if not u > 0.0:
@@ -439,7 +494,13 @@ class Detector:
                 if _cnz(lm):
                     return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
                 _np_log(ln, out=w.yl, where=w.lmask, dtype=_F64)
-        if self._calm_rows(w, w.y2, 0, 1, pattern, (obs.step,)):
+        lrs = None
+        if lr is not None:
+            lr = float(lr)
+            if not 0.0 <= lr < math.inf:
+                return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+            lrs = (lr,)
+        if self._calm_rows(w, w.y2, 0, 1, pattern, (obs.step,), lrs):
             if loss_scale is not None:
                 w.loss_scale = float(loss_scale)
             return []
@@ -477,8 +538,17 @@ class Detector:
             v = np.asarray(vals[start:stop], dtype=np.float64)
             pat[kn] |= bit
             with np.errstate(invalid="ignore"):
-                ok &= ~kn | ((v > 0.0) & (v < math.inf))
+                # the loss is tested per chunk, against its offset then (see _shift_loss)
+                ok &= ~kn | ((v > (-math.inf if chan == LOSS else 0.0)) & (v < math.inf))
             fixed.append((chan, v, kn))
+        lr_col = None
+        if "lr" in ex:
+            lv, lkm = ex["lr"]
+            lk = known(lkm)
+            lr_col = np.asarray(lv[start:stop], dtype=np.float64)
+            pat[lk] |= 32
+            with np.errstate(invalid="ignore"):
+                ok &= ~lk | ((lr_col >= 0.0) & (lr_col < math.inf))
         lay = zero = None
         if cols.layer_norms is not None and nl:
             lay = np.asarray(cols.layer_norms[start:stop], dtype=np.float64)
@@ -506,13 +576,20 @@ class Detector:
         has_zero = np.zeros(T, dtype=bool) if zero is None else zero.any(axis=1)
         calm_rows, step_fn, mu, mu_lay = self._calm_rows, self._step, w.mu, w.mu[N_FIXED:]
 
-        for a in range(0, T, _CHUNK_ROWS):
+        a = 0
+        while a < T:
             b = min(T, a + _CHUNK_ROWS)
             Y = np.empty((b - a, n))
-            okc = ok[a:b]
+            okc = ok[a:b].copy()
+            shift = w.loss_shift
             for chan, v, kn in fixed:  # math.log, as _step takes a run-level value
+                vc = v[a:b]
+                if chan == LOSS:
+                    vc = vc + shift  # exactly as _step adds it
+                    with np.errstate(invalid="ignore"):
+                        okc &= ~kn[a:b] | (vc > 0.0)
                 sel = okc & kn[a:b]
-                Y[sel, chan] = list(map(_log, v[a:b][sel].tolist()))
+                Y[sel, chan] = list(map(_log, vc[sel].tolist()))
             if lay is not None:
                 with np.errstate(divide="ignore", invalid="ignore"):
                     _np_log(lay[a:b], Y[:, N_FIXED:])
@@ -539,7 +616,9 @@ class Detector:
             cuts = np.append(np.flatnonzero(brk), m)
             run_end = cuts[np.searchsorted(cuts, np.arange(m), side="right")].tolist()
             okl, patl, stepl, zl = okc.tolist(), pat[a:b].tolist(), steps[a:b].tolist(), has_zero[a:b].tolist()
+            lrl = None if lr_col is None else lr_col[a:b].tolist()
             r = 0
+            nxt = b
             while r < m:
                 # calm as _step would take it: the same signals as the last step, and layers
                 # reporting 0 exactly the ones already absent
@@ -547,28 +626,35 @@ class Detector:
                         and (not (patl[r] & 16) or (np.array_equal(zero[a + r], ~w.lmask) if zl[r]
                                                     else w.n_lay == nl))):
                     e = run_end[r]
-                    r = calm_rows(w, Y, r, e, patl[r], stepl)
+                    r = calm_rows(w, Y, r, e, patl[r], stepl, lrl if patl[r] & 32 else None)
                     if r == e:
                         continue
                 i = start + a + r
                 for ev in step_fn(w, cols.observation(i)):
                     out.append((i, ev))
                 r += 1
+                if w.loss_shift != shift:  # the loss's offset moved: take the rest afresh
+                    nxt = a + r
+                    break
                 if r < m:
                     park(r)
+            a = nxt
         return out
 
-    def _calm_rows(self, w: _Work, Y: np.ndarray, r0: int, r1: int, pattern: int, steps) -> int:
+    def _calm_rows(self, w: _Work, Y: np.ndarray, r0: int, r1: int, pattern: int, steps, lrs=None) -> int:
         """Calm steps, one per row of ``Y[r0:r1]`` (each row a step's log-values, absent channels
         parked on their baseline; same ``pattern`` as the last step; every given value finite
         and > 0), with ``steps[r]`` the step of row ``r``. Commits rows while they are calm and
         returns the first row that is not (``r1`` if all were): that row needs the general path,
         and nothing but scratch vectors was changed for it. The live hook calls this with one
-        row, the offline replay with a chunk: one sequence of operations per step for both."""
+        row, the offline replay with a chunk: one sequence of operations per step for both.
+        ``lrs[r]`` is row ``r``'s learning rate (finite, >= 0) when the pattern has one."""
         dev, adev, bb, n, k, mu, wd, fixed = w.dev, w.adev, w.bb, w.n, w.k, w.mu, w.wd, w.fixed
-        kd, S, A, tcap, tk, dh, h, ldiv = self._calm_consts
+        kd, S, A, tcap, tk, dh, h, ldiv, dz, hu, t_upd, lrj, lrk, lr_ready, hlo = self._calm_consts
+        h1 = h if pattern & 5 else hlo  # the loss alone: loss_only_h when no gradient is logged
         c0, c1, c2, c3 = w.cus
         joint = w.joint
+        ring, lpos, ln_, lref = w.lr_ring, w.lr_pos, w.lr_n, w.lr_ref
         r = r0
         while r < r1:
             _subtract(Y[r], mu, dev)
@@ -588,8 +674,8 @@ class Detector:
                         break
             # run-level channels: CUSUMs and the together evidence, in scalars (as _general does)
             s4, d4 = fixed.tolist()
-            if pattern & 2 and d4[1] >= ldiv:
-                break
+            if pattern & 2 and d4[1] >= ldiv and d4[1] * A / s4[1] >= dz:
+                break  # the loss may be diverging: the general path counts the steps
             n0, n1, n2, n3 = c0, c1, c2, c3
             zl = zgl = None
             if pattern & 1:
@@ -608,7 +694,7 @@ class Detector:
                     n2 = n2 + (zu if zu < S else S) - kd
                     if n2 < 0.0:
                         n2 = 0.0
-                    if zgl is None or zu > zgl:
+                    if zgl is None or (t_upd and zu > zgl):
                         zgl = zu
                 if pattern & 8:
                     zp = d4[3] * A / s4[3]
@@ -621,8 +707,19 @@ class Detector:
                 nj = nj + (m if m < tcap else tcap) - tk
                 if nj < 0.0:
                     nj = 0.0
-            if nj >= dh or n0 >= h or n1 >= h or n2 >= h or n3 >= h or self._force_full:
+            if nj >= dh or n0 >= h or n1 >= h1 or n2 >= hu or n3 >= hu or self._force_full:
                 break  # a warning may be due: the general path decides and words it
+            if lrs is not None:
+                lr = lrs[r]
+                if ln_ >= lr_ready and lref > 0.0 and lr >= lrj * lref:
+                    break  # the LR jumped beyond what the run has survived
+                if ln_ >= lrk:  # the LR that leaves the ring is now lrk steps back
+                    old = ring[lpos]
+                    if old > lref:
+                        lref = old
+                ring[lpos] = lr
+                lpos = lpos + 1 if lpos + 1 < lrk else 0
+                ln_ += 1
             # commit: both EMAs as one stacked multiply-add (see _Work)
             if clip:
                 # clip(dev, +-wd) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
@@ -642,6 +739,7 @@ class Detector:
         if r > r0:
             w.cus = [c0, c1, c2, c3]
             w.joint = joint
+            w.lr_pos, w.lr_n, w.lr_ref = lpos, ln_, lref
             w.step = steps[r - 1]
             w.has_dev = True
             w.dev_nan = False
@@ -664,9 +762,15 @@ class Detector:
         # -- the step's values in log space (NaN = absent; a zero norm is absent too) ---------
         x = [_NAN] * N_FIXED
         y = np.full(n, _NAN)
+        if loss is not None:
+            lv = float(loss)
+            if lv + w.loss_shift <= 0.0 and lv > -math.inf:  # finite and <= 0: re-base the loss channel
+                self._shift_loss(w, lv)
         for c, v in enumerate((g, loss, u, p)):
             if v is not None:
                 x[c] = v = float(v)
+                if c == LOSS:
+                    v = v + w.loss_shift  # as the calm path takes it
                 if v > 0.0:
                     y[c] = _log(v)  # as the calm path takes it (math.log, not np.log)
         lnv = None
@@ -716,6 +820,9 @@ class Detector:
         # -- baseline update: admitted values only, winsorised (same arithmetic as _calm_rows) ----
         if not skipped:
             adm = present & ~elev  # spikes never enter; the rest enters winsorised
+            if w.loss_div and adm[LOSS] and warm[LOSS] and dev[LOSS] >= self._log_div and \
+                    dev[LOSS] * self._A / wd[LOSS] >= self._div_z:
+                adm[LOSS] = False  # a divergence under way (its 2nd step on) does not become the baseline
             P2 = np.empty((2, n))
             R2 = np.empty((2, n))
             np.fmin(np.fmax(dev, -wd), wd, out=P2[0])
@@ -746,6 +853,7 @@ class Detector:
         # -- run-level CUSUMs and the together evidence (frozen on skipped steps) -------------
         cus = list(w.cus)
         joint = w.joint
+        m_now = _NAN  # this step's together evidence (both above their baselines when > 0)
         if not skipped:
             kd, S = cfg.drift_k, float(cfg.spike_z)
             for c in range(N_FIXED):
@@ -756,10 +864,11 @@ class Detector:
                     cus[c] = 0.0  # warming up
             zgl = None
             for c in (GRAD, UPDATE):
-                if pwf[c] and (zgl is None or zf[c] > zgl):
+                if pwf[c] and (zgl is None or (cfg.update_warns and zf[c] > zgl)):
                     zgl = zf[c]
             if zgl is not None and pwf[LOSS]:
-                joint = joint + min(zgl, zf[LOSS], self._tcap) - cfg.together_k
+                m_now = min(zgl, zf[LOSS])
+                joint = joint + min(m_now, self._tcap) - cfg.together_k
                 joint = joint if joint > 0.0 else 0.0
 
         # -- streaks --------------------------------------------------------------------------
@@ -798,32 +907,55 @@ class Detector:
                 w.nonfinite = 0
 
         # -- critical: loss ------------------------------------------------------------------
-        base_loss = math.exp(float(mu[LOSS])) if warm[LOSS] else _NAN
+        shift = w.loss_shift
+        base_loss = math.exp(float(mu[LOSS])) - shift if warm[LOSS] else _NAN
         if loss_bad:
             alerts.append(Event(
                 step=step, kind=Kind.LOSS_NONFINITE, level=Level.CRITICAL, signal="loss",
-                message=(f"Loss is {loss} at step {step}; the run is diverging or a batch is "
+                message=(f"Loss is {_fmt(float(loss))} at step {step}; the run is diverging or a batch is "
                          "corrupt: rewind to the last clean checkpoint and skip this batch."),
                 values={"value": float(loss), "baseline": base_loss, "ratio": math.inf},
                 batch=obs.batch))
         elif present[LOSS] and warm[LOSS]:
             dl = float(dev[LOSS])
-            if dl >= self._log_div:
+            # diverged: far above the baseline both as a ratio and in the loss's own noise (a
+            # batch-8 loss wobbles by 2x; its scale says so), and for long, not a 2-step excursion
+            if dl >= self._log_div and zf[LOSS] >= self._div_z:
                 w.loss_div += 1
                 if w.loss_div >= cfg.loss_diverge_steps and not w.loss_div_fired:
                     w.loss_div_fired = True
-                    base = math.exp(float(y[LOSS]) - dl)
+                    base = math.exp(float(y[LOSS]) - dl) - shift
+                    now = float(x[LOSS])
+                    how = (f"at {_times(math.exp(dl))} its baseline" if shift == 0.0 else
+                           "far above its baseline")
                     alerts.append(Event(
                         step=step, kind=Kind.LOSS_DIVERGED, level=Level.CRITICAL, signal="loss",
-                        message=(f"Loss has stayed at {math.exp(dl):.2f}x its baseline ({_fmt(base)} -> "
-                                 f"{_fmt(float(x[LOSS]))}) for {w.loss_div} steps; the run has diverged: "
-                                 "rewind to the last clean checkpoint and lower the learning rate."),
-                        values={"value": float(x[LOSS]), "baseline": base, "ratio": math.exp(dl),
+                        message=(f"Loss has stayed {how} ({_fmt(base)} -> {_fmt(now)}, "
+                                 f"{zf[LOSS]:.0f} times its usual step-to-step deviation) for {w.loss_div} "
+                                 "steps; the run has diverged: rewind to the last clean checkpoint and "
+                                 "lower the learning rate."),
+                        values={"value": now, "baseline": base, "ratio": math.exp(dl), "z": zf[LOSS],
                                 "steps": float(w.loss_div)},
                         batch=obs.batch))
             else:
                 w.loss_div = 0
                 w.loss_div_fired = False
+
+        # -- the learning rate: a jump beyond what the run has survived, then into the ring ----
+        lr_jump = None
+        if pattern & 32:
+            lr = float(obs.extras["lr"])
+            if 0.0 <= lr < math.inf:
+                if w.lr_n >= self._lr_ready and w.lr_ref > 0.0 and lr >= self._lr_jump * w.lr_ref:
+                    lr_jump = (lr, w.lr_ref)
+                K = self._lr_k
+                if w.lr_n >= K:
+                    old = w.lr_ring[w.lr_pos]
+                    if old > w.lr_ref:
+                        w.lr_ref = old
+                w.lr_ring[w.lr_pos] = lr
+                w.lr_pos = w.lr_pos + 1 if w.lr_pos + 1 < K else 0
+                w.lr_n += 1
 
         # -- spikes and escalation -----------------------------------------------------------
         grad_elev = any_elev and bool(np.count_nonzero(elev & k.gradlike))
@@ -843,7 +975,7 @@ class Detector:
             elif dev_g[peak] > w.ep_peak_dev:
                 w.ep_peak_step, w.ep_peak_chan, w.ep_peak_dev = step, peak, float(dev_g[peak])
         if since >= cfg.rearm_steps and not skipped:
-            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k)
+            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump, m_now > 0.0)
             if ev is not None:
                 alerts.append(ev)
                 since = 0
@@ -890,6 +1022,24 @@ class Detector:
         w.level = int(level)
         return alerts
 
+    def _shift_loss(self, w: _Work, loss: float) -> None:
+        """A finite loss <= 0 (minus its offset): the loss channel moves to ``log(loss + c)`` with a
+        larger offset ``c``, so that it keeps its baseline, its noise scale and its rules (a
+        log of a loss <= 0 would be undefined and would switch protection off). Its baseline and
+        scale are mapped to the new offset; its run-level evidence restarts."""
+        old = w.loss_shift
+        new = _loss_shift_for(loss, old)
+        i = LOSS
+        if w.cnt[i] > 0:
+            m = math.exp(float(w.mu[i])) - old  # the baseline loss itself
+            w.mu[i] = _log(m + new)
+            # d log(l + c) = dl / (l + c): the same spread is a smaller relative one
+            w.wd[i] = max(float(w.wd[i]) * (m + old) / (m + new), self._A * self.cfg.loss_min_scale)
+        w.loss_shift = new
+        w.cus[i] = 0.0
+        w.streak[i] = w.grow[i] = w.prev[i] = 0.0
+        w.loss_div, w.loss_div_fired = 0, False
+
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _first_layer(elev: np.ndarray, dev: np.ndarray, streak: np.ndarray) -> int:
@@ -916,24 +1066,37 @@ class Detector:
         return tuple(out[: self.cfg.max_layers_listed])
 
     def _warning(self, obs, w: _Work, elev, dev, z, x, y, cus, joint, prev4,
-                 k: _Consts) -> Event | None:
+                 k: _Consts, pattern: int, lr_jump, rising_now: bool) -> Event | None:
         """A COLLAPSE_RISK event if a warning rule holds at this step, else None."""
         cfg = self.cfg
-        if not (joint >= cfg.drift_h or max(cus) >= cfg.drift_alone_h or _cnz(elev)):
+        hl = self._alone_h if pattern & 5 else self._loss_only_h
+        h_of = {GRAD: self._alone_h, LOSS: hl, UPDATE: self._alone_u, PARAM: self._alone_u}
+        alone = [c for c in (GRAD, UPDATE, LOSS, PARAM) if cus[c] >= h_of[c]]
+        if not (joint >= cfg.drift_h or alone or _cnz(elev) or lr_jump):
             return None
         streak, grow = w.streak, w.grow
-        fx = k.fixed  # per-layer signals never warn on their own
+        fx = k.warns  # per-layer signals never warn on their own
         esc = fx & elev & (grow >= cfg.escalate_steps) & (dev >= k.lwarn)
         jump = fx & elev & k.gradlike & (dev >= self._log_jump)
-        together = joint >= cfg.drift_h
-        alone = [c for c in (GRAD, UPDATE, LOSS, PARAM) if cus[c] >= cfg.drift_alone_h]
+        together = joint >= cfg.drift_h and rising_now  # not on the step the values came back
         n_hot_layers = 0
         multi = False
         if w.nl and cfg.layers_at_once:
             n_hot_layers = int(np.count_nonzero(elev[N_FIXED:] & (dev[N_FIXED:] >= k.lwarn[N_FIXED:])))
             multi = n_hot_layers >= cfg.layers_at_once
+        act = "save a checkpoint now and be ready to rewind; consider lowering the learning rate"
         if not (esc.any() or jump.any() or together or alone or multi):
-            return None
+            if lr_jump is None:
+                return None
+            lr, ref = lr_jump
+            return Event(
+                step=int(obs.step), kind=Kind.COLLAPSE_RISK, level=Level.WARNING, signal="lr", layers=(),
+                message=(f"The learning rate jumped to {_times(lr / ref)} the highest it had run at "
+                         f"({_fmt(ref)} -> {_fmt(lr)}); collapse risk, save a checkpoint now and be "
+                         "ready to rewind; check the LR schedule."),
+                values={"value": lr, "baseline": ref, "ratio": lr / ref, "z": _NAN, "cusum": _NAN,
+                        "steps": 1.0, "layers_elevated": 0.0},
+                batch=obs.batch)
 
         def pick(mask: np.ndarray) -> int:
             for c in (GRAD, UPDATE, LOSS, PARAM):
@@ -947,7 +1110,9 @@ class Detector:
             rule, chan = "jump", pick(jump)
         elif together:
             zg, zu = z[GRAD], z[UPDATE]
-            rule, chan = "together", UPDATE if (zu == zu and not zu <= zg) else GRAD
+            rule, chan = "together", UPDATE if (cfg.update_warns and zu == zu and not zu <= zg) else GRAD
+            if chan == GRAD and zg != zg:
+                chan = UPDATE  # no gradient norm logged: the update norm stood in for it
         elif alone:
             rule, chan = "alone", alone[0]
         else:
@@ -957,24 +1122,25 @@ class Detector:
         d = float(dev[chan])
         ratio = math.exp(d) if math.isfinite(d) else _NAN
         base = math.exp(float(y[chan]) - d) if math.isfinite(d) else _NAN
+        if chan == LOSS:
+            base -= w.loss_shift
         value = float(x[chan]) if chan < N_FIXED else _NAN
         where = f", led by {layers[0]}" if layers else ""
-        act = "save a checkpoint now and be ready to rewind; consider lowering the learning rate"
         if rule == "escalating":
             prev_ratio = math.exp(prev4[chan])
-            msg = (f"{signal} is escalating: {prev_ratio:.3g}x -> {ratio:.3g}x its baseline "
+            msg = (f"{signal} is escalating: {_times(prev_ratio)} -> {_times(ratio)} its baseline "
                    f"({_fmt(base)} -> {_fmt(value)}), {int(grow[chan])} growing steps in a row{where}; "
                    f"collapse risk, {act}.")
         elif rule == "jump":
-            msg = (f"{signal} jumped to {ratio:.3g}x its baseline ({_fmt(base)} -> {_fmt(value)}) "
+            msg = (f"{signal} jumped to {_times(ratio)} its baseline ({_fmt(base)} -> {_fmt(value)}) "
                    f"in one step{where}; collapse risk, {act}.")
         elif rule == "together":
             dl = float(dev[LOSS])
             lr = math.exp(dl) if math.isfinite(dl) else _NAN
             msg = (f"{signal} and the loss have been rising together for several steps (now "
-                   f"{ratio:.3g}x and {lr:.3g}x their baselines){where}; collapse risk, {act}.")
+                   f"{_times(ratio)} and {_times(lr)} their baselines){where}; collapse risk, {act}.")
         elif rule == "alone":
-            msg = (f"{signal} has been rising for several steps, now {ratio:.3g}x its baseline "
+            msg = (f"{signal} has been rising for several steps, now {_times(ratio)} its baseline "
                    f"({_fmt(base)} -> {_fmt(value)}){where}; collapse risk, {act}.")
         else:
             msg = (f"{n_hot_layers} layers jumped together{where}; collapse risk, {act}.")
@@ -1004,7 +1170,7 @@ class Detector:
         where = f" (first in {layers[0]})" if layers else ""
         return Event(
             step=int(obs.step), kind=Kind.GRAD_SPIKE, level=Level.INFO, signal=signal, layers=layers,
-            message=(f"Isolated {signal} spike at step {peak_step}: {ratio:.3g}x its baseline"
+            message=(f"Isolated {signal} spike at step {peak_step}: {_times(ratio)} its baseline"
                      f"{where}, back to normal after {dur} step{'s' if dur != 1 else ''}; nothing to do "
                      "unless these become frequent."),
             values={"ratio": ratio, "value": ratio * base, "baseline": base,
@@ -1146,7 +1312,8 @@ class StreamingDetector:
     def baselines(self) -> dict[str, float]:
         """Current typical value per signal (only signals that have data)."""
         w = self._w
-        return {c: math.exp(w.mu[i]) for i, c in enumerate(w.channels) if w.cnt[i] > 0}
+        return {c: math.exp(w.mu[i]) - (w.loss_shift if i == LOSS else 0.0)
+                for i, c in enumerate(w.channels) if w.cnt[i] > 0}
 
     def state_dict(self) -> dict[str, Any]:
         d = self.state.to_dict()

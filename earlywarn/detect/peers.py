@@ -7,6 +7,8 @@ Each rule is a small class with the shape of :class:`earlywarn.detect.StreamingD
 measure them. Pure Python + numpy.
 
 - :class:`NanLossCheck`: the universal ``if not isfinite(loss)`` check.
+- :class:`NonfiniteGradCheck`: the fp16 loss scaler's check (any NaN/Inf in the gradient), which a
+  bf16 run without a scaler no longer has.
 - :class:`OlmoSkipStep`: OLMo-core ``SkipStepOptimizer.get_step_factor`` (window 128, 6 sigma,
   on both the loss and the total grad norm; inactive for the first ``max(20, 128 // 2)`` steps).
 - :class:`ZClipRule`: ZClip (``zclip`` package, ``mode="zscore"``, ``clip_option="adaptive_scaling"``):
@@ -14,6 +16,10 @@ measure them. Pure Python + numpy.
   then updated with the clipped norm.
 - :class:`KillLossSpike`: LLM Foundry ``KillLossSpike`` (loss >= 2x the mean of a full window of
   100 (or 5% of the run) for more than 4 consecutive steps; or half the window above a loss cap).
+- :class:`LightningSpikeDetection`: Lightning Fabric ``SpikeDetection`` (``lightning.fabric.utilities.spike``,
+  defaults ``window=10, warmup=1, rtol=2.0, atol=None, finite_only=True``): a non-finite loss, or a
+  loss that did not improve on the previous one and is at least ``rtol`` times the running mean of
+  the last ``window`` non-spike losses away from it (``>= 3x`` the mean for a positive loss).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import numpy as np
 from earlywarn.detect.observation import Observation
 from earlywarn.events import Event, Kind, Level
 
-__all__ = ["NanLossCheck", "OlmoSkipStep", "ZClipRule", "KillLossSpike", "PEERS"]
+__all__ = ["NanLossCheck", "NonfiniteGradCheck", "OlmoSkipStep", "ZClipRule", "KillLossSpike",
+           "LightningSpikeDetection", "PEERS"]
 
 
 class _Rule:
@@ -60,6 +67,28 @@ class NanLossCheck(_Rule):
         if obs.loss is not None and not math.isfinite(obs.loss):
             return [self._event(obs, Kind.LOSS_NONFINITE, "loss", obs.loss, math.nan,
                                 f"loss is {obs.loss}")]
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        pass
+
+
+class NonfiniteGradCheck(_Rule):
+    """Fires when any gradient value is NaN or infinite (the global norm, a layer's norm or a
+    layer's non-finite flag), as ``GradScaler``'s ``found_inf`` does."""
+
+    name = "non-finite grad"
+
+    def __init__(self) -> None:
+        self._kwargs: dict[str, Any] = {}
+
+    def observe(self, obs: Observation) -> list[Event]:
+        if not obs.grad_finite:
+            g = math.nan if obs.grad_norm is None else float(obs.grad_norm)
+            return [self._event(obs, Kind.NONFINITE_GRAD, "grad_norm", g, math.nan, "non-finite gradient")]
         return []
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,10 +255,60 @@ class KillLossSpike(_Rule):
         self.seen = int(d["seen"])
 
 
+class LightningSpikeDetection(_Rule):
+    """Lightning Fabric's ``SpikeDetection`` callback (it raises ``TrainingSpikeException``; here each
+    firing is reported and training goes on, the spike kept out of the running mean as published)."""
+
+    name = "Lightning SpikeDetection"
+
+    def __init__(self, window: int = 10, warmup: int = 1, rtol: float | None = 2.0,
+                 atol: float | None = None, finite_only: bool = True) -> None:
+        self._kwargs = {"window": window, "warmup": warmup, "rtol": rtol, "atol": atol, "finite_only": finite_only}
+        self.window, self.warmup, self.rtol, self.atol = int(window), int(warmup), rtol, atol
+        self.finite_only = finite_only
+        self.values: deque[float] = deque(maxlen=self.window)
+        self.last_val = 0.0
+        self.batch_idx = 0
+
+    def _is_spike(self, loss: float) -> bool:
+        running = sum(self.values) / len(self.values) if self.values else math.nan
+        if self.finite_only and not math.isfinite(loss):
+            return True
+        if loss - self.last_val <= 0.0:  # mode "min": an improvement is never a spike
+            return False
+        ok_atol = self.atol is None or abs(loss - running) >= abs(self.atol)
+        ok_rtol = self.rtol is None or abs(loss - running) >= abs(self.rtol * running)
+        return bool(ok_atol and ok_rtol)
+
+    def observe(self, obs: Observation) -> list[Event]:
+        if obs.loss is None:
+            return []
+        loss = float(obs.loss)
+        idx, self.batch_idx = self.batch_idx, self.batch_idx + 1
+        if idx >= self.warmup and self._is_spike(loss):
+            base = sum(self.values) / len(self.values) if self.values else math.nan
+            return [self._event(obs, Kind.LOSS_DIVERGED, "loss", loss, base,
+                                f"loss {loss:.4g} is a spike against the running mean of {len(self.values)}")]
+        if self.finite_only or math.isfinite(loss):
+            self.values.append(loss)
+            self.last_val = loss
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self.values), "last_val": self.last_val, "batch_idx": self.batch_idx}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.values = deque((float(v) for v in d["values"]), maxlen=self.window)
+        self.last_val = float(d["last_val"])
+        self.batch_idx = int(d["batch_idx"])
+
+
 PEERS = {
     "nan-loss": NanLossCheck,
+    "nonfinite-grad": NonfiniteGradCheck,
     "olmo-skipstep": OlmoSkipStep,
     "zclip": ZClipRule,
     "killlossspike": KillLossSpike,
+    "lightning-spike": LightningSpikeDetection,
 }
 """Name -> class, for benchmarks and tests that run every peer side by side."""

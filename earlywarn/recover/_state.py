@@ -11,6 +11,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from earlywarn.capture.hostread import HOST_WAITS, record_event
+
 from .errors import CheckpointError
 
 try:  # torch builds without distributed support have no DTensor (and no sharded state)
@@ -45,30 +47,110 @@ def like_sharded(host_local: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------
 # Host copies
+#
+# A device tensor goes to pinned host memory with ``non_blocking=True``. The tensors only the
+# optimizer's step writes -- its parameters and state, ``side`` below -- are copied on a side
+# stream per device that first waits for the compute stream: the next forward and backward run
+# while they copy, and :func:`fence_copies` (called before the next optimizer write, and by
+# every restore) makes the compute stream wait for them. Everything else (buffers, which the next
+# forward writes; frozen parameters; tensors in scheduler or scaler state) is copied on the
+# compute stream, in order with whatever writes it next. Assumed: between two optimizer steps
+# nothing but the optimizer writes its parameters (a loop that edits them in place right after
+# ``step()`` would race with the copy).
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+_FENCES: list[tuple[torch.device, Any]] = []  # (device, event): side-stream copies not yet fenced
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def fence_copies() -> None:
+    """Make each device's current stream wait (on the device, no host sync) for the snapshot
+    copies still reading the optimizer's tensors. Call before anything writes them."""
+    while _FENCES:
+        device, event = _FENCES.pop()
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def _key(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    return (t.device, t.data_ptr()) if t.numel() > 0 and t.layout == torch.strided else None
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors only ``optimizer.step`` writes: its parameters and their state (local shards)."""
+    out: list[torch.Tensor] = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            out.append(local(p.detach()))
+            out += [local(v) for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One number, on the tensors' device, that is finite iff every element is: the sum of
+    their L2 norms (one fused multi-tensor pass per dtype). Accumulated in float64 on CUDA
+    (free there, and no finite value can overflow it); float32 on CPU, where a huge finite value
+    can overflow it -- a false alarm that :meth:`HostCopy.owned_finite` settles exactly."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
+    for t in tensors:
+        if (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and t.layout == torch.strided:
+            groups[t.dtype].append(t)
+    if not groups:
+        return None
+    cuda = next(iter(groups.values()))[0].device.type == "cuda"
+    sums = []
+    for dtype, ts in groups.items():
+        if dtype.is_complex:
+            norms = torch._foreach_norm(ts, 2)
+        else:
+            acc = torch.float64 if (cuda or dtype == torch.float64) else torch.float32
+            norms = torch._foreach_norm(ts, 2, dtype=acc)
+        sums.append(torch.stack(norms).sum().to(torch.float64 if cuda else torch.float32))
+    return torch.stack(sums).sum().reshape(1)
 
 
 class HostCopy:
     """A host (CPU) copy of a nested state tree. ``wait()`` before reading: device tensors are
-    copied with ``non_blocking`` into pinned memory, so the copy may still be in flight."""
+    copied with ``non_blocking`` into pinned memory, so the copy may still be in flight.
 
-    def __init__(self, tree: Any, event: Any = None) -> None:
+    With ``check_finite``, :meth:`finite` says whether the optimizer's tensors were all finite
+    when copied, from a flag computed on the device beside the copy (read once it has landed)."""
+
+    def __init__(self, tree: Any, events: Any = (), *, flags: Any = (), owned: Any = ()) -> None:
         self.tree = tree
-        self._event = event
+        self._events = list(events) if isinstance(events, (list, tuple)) else [events]
+        self._flags: list[torch.Tensor] = list(flags)
+        self._owned: list[torch.Tensor] = list(owned)
+        self.checked = False  # to_host(check_finite=True) sets it: finite() then means something
+
+    def ready(self) -> bool:
+        """Every copy has landed (never blocks)."""
+        return all(e.query() for e in self._events)
 
     def wait(self) -> Any:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
+        for e in self._events:
+            HOST_WAITS.wait(e)  # timed: a wait here stalls the host
+        self._events = []
         return self.tree
 
+    def finite(self) -> bool:
+        """The device flag: every tensor of the optimizer finite (waits for the copy)."""
+        self.wait()
+        return all(bool(torch.isfinite(f).all()) for f in self._flags)
 
-def _host_tensor(t: torch.Tensor, reuse: Any) -> tuple[torch.Tensor, bool]:
-    if is_dtensor(t):
-        # local shard only; the copy keeps the layout (see the note on sharded tensors above)
-        same = is_dtensor(reuse) and reuse._spec == t._spec
-        out, nb = _host_tensor(local(t), local(reuse) if same else None)
-        return like_sharded(out, t), nb
-    t = t.detach()
+    def owned_finite(self) -> bool:
+        """The exact answer from the host copy itself (rare path: after a flag that fired)."""
+        self.wait()
+        return all(bool(torch.isfinite(t).all()) for t in self._owned if t.is_floating_point() or t.is_complex())
+
+
+def _host_buffer(t: torch.Tensor, reuse: Any) -> torch.Tensor | None:
+    """Where ``t`` (a plain, detached tensor) is copied to: the recycled buffer, a fresh pinned
+    one for a CUDA tensor, or None (then ``t.to("cpu", copy=True)``)."""
     if (
         isinstance(reuse, torch.Tensor)
         and reuse.shape == t.shape
@@ -76,28 +158,52 @@ def _host_tensor(t: torch.Tensor, reuse: Any) -> tuple[torch.Tensor, bool]:
         and reuse.device.type == "cpu"
         and reuse.layout == t.layout == torch.strided
     ):
-        dst = reuse
-    elif t.device.type == "cuda" and t.layout == torch.strided:
+        return reuse
+    if t.device.type == "cuda" and t.layout == torch.strided:
         # pinned memory lets the device-to-host copy run asynchronously with the next step
-        dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    else:
-        return t.to("cpu", copy=True), False
-    non_blocking = t.device.type == "cuda" and dst.is_pinned()
-    dst.copy_(t, non_blocking=non_blocking)
-    return dst, non_blocking
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    return None
 
 
-def to_host(tree: Any, reuse: Any = None) -> HostCopy:
+def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" = None,
+            check_finite: bool = False, agree: bool = False) -> HostCopy:
     """Copy every tensor in ``tree`` to host memory (never aliasing the live tensors); other leaves
     are deep-copied. ``reuse`` is an older copy of the same structure whose buffers are recycled
-    (no fresh host allocation every snapshot for a model of fixed shape)."""
-    pending = [False]
+    (no fresh host allocation every snapshot for a model of fixed shape). ``side``: the
+    optimizer's tensors (see the note above); ``check_finite``: flag whether they are finite;
+    ``agree``: under torch.distributed, the flag is summed over ranks (a collective: every rank
+    calls this together)."""
+    side = side or []
+    side_keys = {k for k in (_key(t) for t in side) if k is not None}
+    side_copies: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
+    main_devices: set[torch.device] = set()
+    owned_host: list[torch.Tensor] = []
+
+    def copy_leaf(x: torch.Tensor, r: Any) -> torch.Tensor:
+        if is_dtensor(x):
+            # local shard only; the copy keeps the layout (see the note on sharded tensors above)
+            same = is_dtensor(r) and r._spec == x._spec
+            return like_sharded(copy_leaf(local(x), local(r) if same else None), x)
+        x = x.detach()
+        dst = _host_buffer(x, r)
+        owned = _key(x) in side_keys
+        if dst is None:
+            dst = x.to("cpu", copy=True)
+        elif x.device.type == "cuda" and dst.is_pinned():
+            if owned:
+                side_copies[x.device].append((dst, x))  # queued on the side stream below
+            else:
+                dst.copy_(x, non_blocking=True)
+                main_devices.add(x.device)
+        else:
+            dst.copy_(x)
+        if owned:
+            owned_host.append(dst)
+        return dst
 
     def rec(x: Any, r: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            out, nb = _host_tensor(x, r)
-            pending[0] |= nb
-            return out
+            return copy_leaf(x, r)
         if isinstance(x, dict):
             rr = r if isinstance(r, dict) else {}
             out = collections.OrderedDict() if isinstance(x, collections.OrderedDict) else {}
@@ -116,11 +222,82 @@ def to_host(tree: Any, reuse: Any = None) -> HostCopy:
         return copy.deepcopy(x)
 
     out = rec(tree, reuse)
-    event = None
-    if pending[0]:
-        event = torch.cuda.Event()
-        event.record()
-    return HostCopy(out, event)
+    events = [record_event(d) for d in main_devices]  # recorded on each device's compute stream
+    flags: list[torch.Tensor] = []
+    by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
+    for t in side:
+        by_device[t.device].append(t)
+    device_flags: list[tuple[torch.device, torch.Tensor]] = []  # computed beside the copies
+    for device in set(side_copies) | ({d for d in by_device if d.type == "cuda"} if check_finite else set()):
+        stream = _side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the copies read the state as of now
+        with torch.cuda.stream(stream):
+            for dst, src in side_copies.get(device, ()):
+                dst.copy_(src, non_blocking=True)  # src: live parameters / state, never freed meanwhile
+            flag = nonfinite_flag(by_device[device]) if check_finite else None
+            if flag is not None:
+                device_flags.append((device, flag))
+            event = record_event(device)  # on the side stream (current inside this block)
+        events.append(event)
+        _FENCES.append((device, event))
+    flags: list[torch.Tensor] = []
+    if check_finite:
+        for device, ts in by_device.items():
+            if device.type != "cuda":
+                flag = nonfinite_flag(ts)  # computed right here: the host has its value already
+                if flag is not None:
+                    device_flags.append((device, flag))
+        if agree:
+            flags, flag_events = _agreed_flag(device_flags)
+            events += flag_events
+        else:
+            for device, flag in device_flags:
+                flags.append(_host_flag(flag, _side_stream(device) if device.type == "cuda" else None))
+    host = HostCopy(out, events, flags=flags, owned=owned_host)
+    host.checked = check_finite
+    return host
+
+
+def _host_flag(flag: torch.Tensor, stream: Any) -> torch.Tensor:
+    if flag.device.type != "cuda":
+        return flag
+    with torch.cuda.stream(stream):  # after the flag's kernels; the copy's event follows below
+        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+    return host
+
+
+def _agreed_flag(device_flags: list[tuple[torch.device, torch.Tensor]]) -> tuple[list[torch.Tensor], list[Any]]:
+    """One flag summed over every rank (a single all-reduce, on the device for NCCL): every rank
+    then keeps or drops the snapshot alike (an FSDP shard, or one rank's corrupted replica, is
+    poisoned on that rank only)."""
+    cuda = [d for d, _ in device_flags if d.type == "cuda"]
+    device = cuda[0] if cuda else torch.device("cpu")
+    if device.type != "cuda":
+        total = torch.zeros(1, dtype=torch.float32)
+        for _, f in device_flags:
+            total += f.to(total.dtype)
+        torch.distributed.all_reduce(total)
+        return [total], []
+    stream = _side_stream(device)
+    for d, _ in device_flags:
+        if d.type == "cuda" and d != device:
+            stream.wait_stream(_side_stream(d))
+    with torch.cuda.stream(stream):
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for d, f in device_flags:
+            if d.type != "cuda":
+                total += float(f)  # a host value already: an argument of the add kernel
+            elif d == device:
+                total += f.double()
+            else:
+                f.record_stream(stream)  # made on that device's side stream, read here
+                total += f.to(device, torch.float64, non_blocking=True)
+        torch.distributed.all_reduce(total)  # NCCL waits on this stream, this stream on NCCL
+        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+        host.copy_(total, non_blocking=True)
+        event = record_event(device)
+    return [host], [event]
 
 
 def clone_tree(tree: Any) -> Any:
@@ -261,6 +438,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
     at the worst moment) and references others hold to the state tensors stay valid. Otherwise
     ``load_state_dict`` on a clone.
     """
+    fence_copies()  # a snapshot copy still reading these tensors must finish first
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved_groups = sd.get("param_groups", [])
     saved_state = sd.get("state", {})
@@ -318,6 +496,7 @@ def restore_model(model: torch.nn.Module, sd: dict[str, Any]) -> None:
     A sharded model (DTensor parameters, FSDP2) is restored shard by shard: each rank copies its
     local shards back, with no collective and no full-tensor gather. Otherwise, and whenever the
     saved state does not match the live layout, ``load_state_dict`` (strict) does it."""
+    fence_copies()  # a snapshot copy still reading these tensors must finish first
     live = model.state_dict(keep_vars=True)
     if any(is_dtensor(v) for v in live.values()) and set(live) == set(sd) and all(
         isinstance(v, torch.Tensor) and isinstance(sd[k], torch.Tensor) and _same_layout(sd[k], v)

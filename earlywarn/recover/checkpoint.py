@@ -32,6 +32,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -120,6 +121,22 @@ def _agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def _check_writable(directory: Path) -> None:
+    """Create ``directory`` and prove a file can be written there, at watch() time: a run that
+    would only learn hours in that its checkpoints go nowhere must fail before it starts."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".tmp.writable.{os.getpid()}.{threading.get_ident()}"
+        with open(probe, "wb") as f:
+            f.write(b"earlywarn")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint directory {directory} is not writable ({type(e).__name__}: [Errno {e.errno}] "
+            f"{e.strerror}): give RecoveryConfig(checkpoint_dir=...) a directory this process can "
+            "write to, or None for in-memory snapshots only") from e
+
+
 def _tag(clean: bool, reason: str) -> str:
     if clean:
         return "clean"
@@ -172,7 +189,7 @@ class CheckpointManager:
         if keep_unclean < 0:
             raise ValueError(f"keep_unclean={keep_unclean}: must be >= 0")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _check_writable(self.directory)
         self.keep = keep
         self.keep_unclean = keep_unclean
         self.async_write = async_write
@@ -182,6 +199,12 @@ class CheckpointManager:
         self._counter = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._error_path: Path | None = None
+        self.failures = 0
+        """Writes that failed (disk full, read-only, a save_fn that raised): each was warned about
+        (the first loudly), training went on, and the last good checkpoints were kept."""
+        self.on_failure: Callable[[Path, BaseException], None] | None = None
+        """Called with (path, error) after a failed write (the recovery layer emits an event)."""
         self._lock = threading.Lock()
         # torn temp files from a crash of an earlier writer (a shared directory: rank 0 owns them)
         if _group_rank(self.collective) in (None, 0):
@@ -219,11 +242,14 @@ class CheckpointManager:
         reason: str = "periodic",
         on_done: Callable[[], None] | None = None,
     ) -> str:
-        """Write a checkpoint; returns its final path (in async mode, the path it will have).
+        """Write a checkpoint; returns its final path (in async mode, the path it will have), or
+        ``None`` when the write failed.
 
         ``state`` is a state tree (see :mod:`earlywarn.recover.snapshot`) or a :class:`HostCopy`
         of one. In async mode a live tree is first copied to host memory (the training thread
-        then keeps going while the copy is written)."""
+        then keeps going while the copy is written). A failed write (disk full, read-only
+        filesystem, a ``save_fn`` that raises) never stops training: it is warned about, counted
+        in ``failures``, leaves no partial file, and the last good checkpoints are kept."""
         self.wait()
         final = self.directory / f"step-{int(step):010d}.{_tag(clean, reason)}.pt"
         if self.async_write and not isinstance(state, HostCopy):
@@ -247,8 +273,8 @@ class CheckpointManager:
                     if host is not None:
                         host.wait()
                     self._write(payload, final)
-                except BaseException as e:  # surfaced by the next save/wait/close
-                    self._error = e
+                except Exception as e:  # reported by the next save/wait/close (training thread)
+                    self._error, self._error_path = e, final
                 finally:
                     if on_done is not None:
                         on_done()
@@ -260,10 +286,28 @@ class CheckpointManager:
                 if host is not None:
                     host.wait()
                 self._write(payload, final)
+            except Exception as e:
+                if self.collective and _group_rank(True) is not None:
+                    raise  # every rank saw the same failure (_write_collective agrees on it)
+                self._failed(final, e)
+                return None
             finally:
                 if on_done is not None:
                     on_done()
         return str(final)
+
+    def _failed(self, path: Path, error: BaseException) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            errno = getattr(error, "errno", None)
+            code = f"[Errno {errno}] " if errno is not None else ""
+            warnings.warn(
+                f"earlywarn: could not write checkpoint {path} ({type(error).__name__}: {code}"
+                f"{getattr(error, 'strerror', None) or error}); training goes on and the last good "
+                f"checkpoints in {self.directory} are kept. Later failures are counted, not repeated "
+                "(free space, or point checkpoint_dir at a writable disk).", RuntimeWarning, stacklevel=3)
+        if self.on_failure is not None:
+            self.on_failure(path, error)
 
     def _write(self, payload: dict[str, Any], final: Path) -> None:
         if _group_rank(self.collective) is not None:
@@ -340,14 +384,16 @@ class CheckpointManager:
             _remove(p)
 
     def wait(self) -> None:
-        """Block until a background write has finished; raise its error if it failed."""
+        """Block until a background write has finished; a failed one is reported (warned about,
+        counted in ``failures``), never raised: training must not die of a full disk."""
         t = self._thread
         if t is not None:
             t.join()
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"background checkpoint write failed: {err!r}") from err
+            path, self._error_path = self._error_path, None
+            self._failed(path or self.directory, err)
 
     def close(self) -> None:
         self.wait()

@@ -105,8 +105,9 @@ class RecoveryConfig:
     """Rewinds per episode (the first and the recurrences) before halting."""
     quarantine_path: str | None = None
     """JSONL file listing every batch that will never be trained (skipped or rewound over);
-    default ``<checkpoint_dir>/quarantine.jsonl``, or ``./earlywarn_quarantine.jsonl`` without
-    a checkpoint directory. Written only when a batch is quarantined."""
+    default ``<checkpoint_dir>/quarantine.jsonl``, or ``quarantine.jsonl`` in earlywarn's output
+    folder (``./earlywarn_output/``, see ``earlywarn.sinks.defaults.output_dir``) without a
+    checkpoint directory. Written only when a batch is quarantined."""
     fingerprint_inputs: bool = True
     """Without a restorable loader, hash the model's inputs (a forward pre-hook, on the device,
     no host sync) so that skipped and quarantined batches are named by a fingerprint;
@@ -137,15 +138,16 @@ class RecoveryConfig:
         rsb = self.rewind_skip_batches
         if not (rsb == SINCE_SNAPSHOT or (is_int(rsb) and rsb >= 0)):
             raise bad("rewind_skip_batches", f"use {SINCE_SNAPSHOT!r} or an int >= 0")
-        if isinstance(self.repair_max_param_fraction, bool) or not isinstance(self.repair_max_param_fraction, (int, float)) \
-                or not 0.0 <= float(self.repair_max_param_fraction) <= 1.0:
-            raise bad("repair_max_param_fraction", "must be a number between 0 and 1")
         for name in ("checkpoint_async", "repair", "repair_reset_state", "rewind", "fingerprint_inputs"):
             if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be True or False")
-        for name in ("rewind_restore_rng", "collective_save"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise bad(name, "use True, False or None (None: decided for you, see the docstring)")
+                raise bad(name, "must be True or False (a string such as 'false' would count as true)")
+        frac = self.repair_max_param_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            raise bad("repair_max_param_fraction", "must be a number between 0 and 1 (a share of all parameter elements)")
+        if self.rewind_restore_rng is not None and not isinstance(self.rewind_restore_rng, bool):
+            raise bad("rewind_restore_rng", "use True, False or None (None: restore them only with a restorable loader)")
+        if self.collective_save is not None and not isinstance(self.collective_save, bool):
+            raise bad("collective_save", "use True, False or None (None: ask save_fn.collective)")
         if self.on_recurrence not in _RECURRENCE:
             raise bad("on_recurrence", f"use one of {', '.join(map(repr, _RECURRENCE))}")
         f = self.recurrence_lr_factor
@@ -172,9 +174,12 @@ class RecoveryConfig:
                       "keep snapshots on, set checkpoint_dir, or set rewind=False")
         for name in ("checkpoint_dir", "quarantine_path"):
             v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise bad(name, "must be a path (str or os.PathLike), or None")
+            if v is not None and os.fspath(v) == "":
+                raise bad(name, "is empty: give a directory (e.g. 'checkpoints'), or None for none"
+                          if name == "checkpoint_dir" else "is empty: give a file path, or None for the default")
             if v is not None:
-                if not isinstance(v, (str, os.PathLike)) or os.fspath(v) == "":
-                    raise bad(name, "must be a non-empty path (str or os.PathLike), or None")
                 setattr(self, name, os.fspath(v))
 
     @property

@@ -19,7 +19,7 @@ The watcher drives it:
 
 Steps are the training trajectory's: after a rewind to the snapshot of step ``s`` the next
 step is ``s + 1`` again (the watcher's ``step`` goes back with it). Durations ("within
-``clean_window`` steps") are counted in calls to ``after_step``, which never go back.
+``clean_window`` steps") are counted on that trajectory: after a rewind, from ``s``.
 """
 
 from __future__ import annotations
@@ -28,16 +28,19 @@ import json
 import math
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ..events import Event, Kind, Level
+from ..sinks.defaults import output_dir
+from ._state import call_state_dict, fence_copies, local, to_host
 from .budget import plan_snapshots
 from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
 from .config import SINCE_SNAPSHOT, RecoveryConfig
-from .data import BatchFingerprints, BatchRef, DataPositionAdapter, _Unrestorable, data_position_adapter
+from .data import BatchFingerprints, BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError, Halt
 from .records import (
     Blame,
@@ -50,7 +53,7 @@ from .records import (
     _record_key,
 )
 from .recurrence import Recurrence
-from .repair import FiniteBaseline, RepairReport, StateScan, repair_optimizer_state, scan_state
+from .repair import FiniteBaseline, RepairReport, StateScan, _Agree, repair_optimizer_state, scan_state
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
 
 __all__ = ["Blame", "QuarantineRecord", "Recovery", "RecoveryConfig", "RewindReport", "SINCE_SNAPSHOT"]
@@ -63,6 +66,28 @@ def _distributed_rank() -> int | None:
     return None
 
 
+def _on_every_rank(ok: bool, optimizer: torch.optim.Optimizer) -> bool:
+    """``ok`` and'ed over ranks (one small all-reduce under torch.distributed; rare path)."""
+    if _distributed_rank() is None:
+        return ok
+    device = local(next(p for g in optimizer.param_groups for p in g["params"])).device
+    return _Agree().sum([int(not ok)], device)[0] == 0
+
+
+@dataclass
+class _Provisional:
+    """A snapshot whose copy started before it was known to be usable: its step not yet judged
+    clean (async mode), or its device finiteness flag not yet read."""
+
+    snap: Snapshot
+    to_ring: bool
+    to_disk: bool
+    drawn: int | None
+    prev_snapshot_step: int | None
+    prev_checkpoint_step: int
+    judged: bool = False
+
+
 class Recovery:
     """The recovery layer for one model / optimizer pair (see the module docstring).
 
@@ -73,7 +98,10 @@ class Recovery:
     more objects with ``state_dict`` / ``load_state_dict`` (the detector, the loop's own
     counters) saved and restored with the rest. ``keep_on_rewind``: names in ``extra_state``
     that a rewind must not roll back (counters that have to remember the rewind itself, e.g.
-    the policy's rate limits); they are still saved and resumed. ``emit``: receives every event
+    the policy's rate limits); they are still saved and resumed. ``late_state``: names in
+    ``extra_state`` whose state follows the *judgement* of a step, not its update (the watcher's
+    detector and counters, which see a step late in async mode): a periodic snapshot copies them
+    when its step is judged, everything else when it is taken. ``emit``: receives every event
     (repair, checkpoint, rewind, quarantine, resume).
     """
 
@@ -88,6 +116,7 @@ class Recovery:
         loader: Any = None,
         extra_state: Mapping[str, Any] | None = None,
         keep_on_rewind: Iterable[str] = (),
+        late_state: Iterable[str] = (),
         emit: Callable[[Event], None] = lambda e: None,
     ) -> None:
         self.model = model
@@ -103,6 +132,7 @@ class Recovery:
         unknown = sorted(self.keep_on_rewind - set(self.extra_state))
         if unknown:
             raise ValueError(f"keep_on_rewind names {unknown}, which are not in extra_state ({sorted(self.extra_state)})")
+        self.late_state = frozenset(late_state)
         self.emit = emit
         adapter = data_position_adapter(loader)
         self.data: DataPositionAdapter = adapter if adapter is not None else _Unrestorable(
@@ -123,14 +153,16 @@ class Recovery:
                               collective=cfg.collective)
             if ckpt_dir is not None else None
         )
+        if self.checkpoints is not None:
+            self.checkpoints.on_failure = self._checkpoint_failed
         if cfg.quarantine_path is not None:
             self.quarantine_path: Path = Path(cfg.quarantine_path)
         elif ckpt_dir is not None:
             self.quarantine_path = ckpt_dir / (f"quarantine.rank{rank}.jsonl" if cfg.collective and rank is not None
                                                else "quarantine.jsonl")
         else:
-            self.quarantine_path = Path.cwd() / ("earlywarn_quarantine.jsonl" if rank is None
-                                                 else f"earlywarn_quarantine.rank{rank}.jsonl")
+            self.quarantine_path = output_dir() / ("quarantine.jsonl" if rank is None
+                                                   else f"quarantine.rank{rank}.jsonl")
         # the model's own non-finite values (a -inf causal mask buffer), as of now: not poison
         self.baseline = FiniteBaseline.capture(model)
         self.fingerprints = BatchFingerprints(cfg.history)
@@ -139,14 +171,17 @@ class Recovery:
         self._drawn_mark = self.data.drawn()  # batches drawn as of that step (None: unknown)
         self._last_snapshot_step: int | None = None
         self._last_checkpoint_step = 0  # disk checkpoints at checkpoint_every, 2x, ... (or after a resume)
-        self._tick = 0  # after_step calls: a clock that never goes back
-        self._incident_tick: int | None = None  # the last repair or rewind, on that clock
+        # the step of the last repair, or the target of the last rewind: the steps after it are
+        # unclean for clean_window (a rewind's restored step, since the steps after it come again)
+        self._incident_step: int | None = None
         self.recurrence = Recurrence(optimizer, factor=cfg.recurrence_lr_factor, lr_steps=cfg.recurrence_lr_steps,
                                      history=cfg.history)
         self.rewinds = 0
         self.repairs = 0
         self.quarantine: list[QuarantineRecord] = []
         self._quarantined_steps: set[int] = set()  # steps of this trajectory whose batch is quarantined already
+        self._provisional: _Provisional | None = None  # the snapshot being copied / confirmed
+        self._spare: Any = None  # host buffers of the last evicted snapshot, for the next copy
         self._measured = False
         self.snapshot_plan = None
         if self.ring is not None:
@@ -165,15 +200,22 @@ class Recovery:
             return f"in-memory snapshots are off (snapshot_every=0): rewinds use {where}"
         return self.snapshot_plan.message
 
-    def report_plan(self, step: int = 0) -> None:
-        """Emit the snapshot plan (the watcher does, once, when its sinks exist)."""
+    def report_plan(self, step: int = 0, *, write: Callable[[str], None] | None = None) -> None:
+        """Say the snapshot plan once (the watcher does, when its sinks exist): a plan that is
+        fine is a note (``write``, the console's; nothing without one); one that is short of
+        memory is a warning event every sink gets."""
         plan = self.snapshot_plan
+        level = Level.INFO if plan is None else plan.level
+        if level < Level.WARNING:
+            if write is not None:
+                write(f"[earlywarn] {self.plan}")
+            return
         values = {"snapshots": 0.0}
         if plan is not None:
             values = {"snapshot_bytes": float(plan.size), "snapshots": float(plan.clean + plan.unclean),
                       "budget_bytes": math.nan if plan.budget is None else float(plan.budget)}
-        self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO if plan is None else plan.level,
-                        message=self.plan, signal="snapshot_plan", values=values))
+        self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=level, message=self.plan, signal="snapshot_plan",
+                        values=values))
 
     def _check_budget(self, snap: Snapshot, step: int) -> None:
         """The first snapshot measures what the estimate guessed; shrink the ring if it must."""
@@ -187,60 +229,138 @@ class Recovery:
                             values={"snapshot_bytes": float(snap.nbytes), "budget_bytes": float(self.snapshot_plan.budget or 0)}))
 
     # -- per step ------------------------------------------------------------------------------
-    def _clean(self, clean: bool) -> bool:
+    def _clean(self, step: int, clean: bool) -> bool:
         if not clean:
             return False
-        return self._incident_tick is None or self._tick - self._incident_tick > self.config.clean_window
+        li = self._incident_step
+        return li is None or step - li > self.config.clean_window
 
     @property
     def lr_factor(self) -> float:
         """The factor applied to the learning rate now (1.0 unless ``on_recurrence="lower_lr"`` acts)."""
         return self.recurrence.lr_factor
 
-    def after_step(self, step: int, *, clean: bool, building: bool = False) -> None:
-        """Call after every optimizer step (applied or skipped). ``clean``: no incident within
-        ``config.clean_window`` steps. ``building``: an episode may be building (recent alerts,
-        elevated gradients): snapshots come at ``every_building``. Takes the periodic snapshot /
-        checkpoint when due and clean (a due one waits for the first clean step)."""
-        cfg = self.config
-        self._tick += 1
+    def record_step(self, step: int, *, maybe_clean: bool = True, building: bool = False) -> None:
+        """The update of ``step`` has just been applied (or skipped), and it may not be judged yet:
+        in async mode the watcher calls this when the update is queued and :meth:`after_step`
+        once the step's statistics have been read. Records the batch drawn for the step and,
+        when a snapshot or checkpoint is due (every ``config.every`` steps, ``every_building``
+        while an episode builds) and ``maybe_clean`` (nothing known so far makes the step
+        unclean), starts a host copy of the state *as of this step*. It stays provisional until
+        ``after_step(step, clean=True)`` confirms it and its device finiteness flag has been read
+        (one step late: no host sync); one is in flight at a time."""
         self.data.observe()
         self._history[step] = self.data.last_batch()
         self._history.move_to_end(step)
         self._last_step_seen = step
         self._drawn_mark = self.data.drawn()
-        while len(self._history) > cfg.history:
+        while len(self._history) > self.config.history:
             self._history.popitem(last=False)
-        clean = self._clean(clean)
+        # Under torch.distributed every rank settles here, at the same step (waiting if the copy
+        # is still in flight): what may follow is a collective (scan, repair).
+        self._settle(block=_distributed_rank() is not None)
+        if self._provisional is not None:
+            return
+        cfg = self.config
+        last = self._last_snapshot_step
+        every = cfg.every_building if building else cfg.every
+        snap_due = self.ring is not None and (last is None or step - last >= every or step < last)
+        ckpt_due = self.checkpoints is not None and step - self._last_checkpoint_step >= cfg.checkpoint_every
+        if not (snap_due or ckpt_due) or not self._clean(step, maybe_clean):
+            return
+        # A snapshot is only clean if what the optimizer writes is finite: the flag is computed on
+        # the device beside the copy and read once it has landed. Poisoned state that no alert
+        # caught is repaired then.
+        host = capture_state(step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                             scaler=self.scaler, data=self._data_state(), reuse=self._spare, check_finite=True,
+                             extra={k: v for k, v in self.extra_state.items() if k not in self.late_state})
+        self._spare = None
+        snap = Snapshot(step=step, clean=True, reason="building" if building else "periodic", host=host,
+                        building=building)
+        self._provisional = _Provisional(snap, snap_due, ckpt_due, self.data.drawn(),
+                                         self._last_snapshot_step, self._last_checkpoint_step)
+        if snap_due:  # not due again while this one is in flight
+            self._last_snapshot_step = step
+        if ckpt_due:
+            self._last_checkpoint_step = step
+
+    def after_step(self, step: int, *, clean: bool, building: bool = False) -> None:
+        """Call after every optimizer step (applied or skipped). ``clean``: no incident within
+        ``config.clean_window`` steps. ``building``: an episode may be building (recent alerts,
+        elevated gradients): snapshots come at ``every_building``. Takes the periodic snapshot /
+        checkpoint when due and clean (a due one waits for the first clean step). A step already
+        given to :meth:`record_step` is only judged here."""
+        cfg = self.config
+        if self._last_step_seen is None or step > self._last_step_seen:
+            self.record_step(step, maybe_clean=clean, building=building)
+        clean = self._clean(step, clean)
         if self.recurrence.after_step(step, clean=clean, window=cfg.clean_window):
             self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_factor",
                             message=f"the lowered learning rate ended after {cfg.recurrence_lr_steps} steps: "
                                     "the optimizer steps at the loop's learning rate again",
                             values={"lr_factor": 1.0}))
-        last = self._last_snapshot_step
-        every = cfg.every_building if building else cfg.every
-        snap_due = self.ring is not None and (last is None or step - last >= every or step < last)
-        ckpt_due = self.checkpoints is not None and step - self._last_checkpoint_step >= cfg.checkpoint_every
-        if not (snap_due or ckpt_due) or not clean:
-            return
-        # a snapshot is only clean if nothing in it is poisoned: one scan (one host read) per snapshot.
-        # Poisoned state that no alert caught is repaired and the snapshot waits.
-        scan = scan_state(self.model, self.optimizer, self.baseline)
-        if not scan.clean:
-            if cfg.repair:
-                self.repair(step, scan=scan)
+        p = self._provisional
+        if p is not None and not p.judged and p.snap.step <= step:
+            if p.snap.step < step or not clean:
+                self._drop(p)  # its step was not clean (or never judged: a repair or rewind path)
             else:
-                self._incident_tick = self._tick
+                p.judged = True
+                # The watcher's own bookkeeping (detector, policy, counters) as of this step: in
+                # async mode it has only now seen the step whose state the copy holds.
+                late = {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in self.extra_state.items()
+                        if k in self.late_state}
+                p.snap.host.tree["extra"].update(to_host(late).tree)
+        p = self._provisional
+        if p is not None and p.judged and p.to_disk:
+            self._settle(block=True)  # a disk write needs the copy anyway: now, at its step
+        elif _distributed_rank() is None:
+            self._settle(block=False)
+
+    def settle(self) -> None:
+        """Finish the snapshot in flight, if any (waits for its copy): the ring is then current."""
+        self._settle(block=True)
+
+    def _settle(self, *, block: bool) -> None:
+        p = self._provisional
+        if p is None or not p.judged or (not block and not p.snap.host.ready()):
             return
-        snap = self._capture(step, clean=True, reason="building" if building else "periodic", to_ring=snap_due,
-                             building=building)
-        if snap_due:
-            self._last_snapshot_step = step
+        self._provisional = None
+        host = p.snap.host
+        # The device flag (agreed over ranks); if it fired, the exact host check (agreed too).
+        if host.finite() or _on_every_rank(host.owned_finite(), self.optimizer):
+            self._keep(p)
+            return
+        self._drop(p)
+        scan = self.scan()  # rare path: what is poisoned now
+        if not scan.clean:
+            if self.config.repair:
+                self.repair(self._last_step_seen if self._last_step_seen is not None else p.snap.step, scan=scan)
+            else:
+                self._incident_step = self._last_step_seen
+
+    def _keep(self, p: "_Provisional") -> None:
+        snap = p.snap
+        if p.to_ring:
+            assert self.ring is not None
+            before = self.ring.entries
+            self.ring.add(snap)
+            kept = {id(s) for s in self.ring.entries}
+            # the evicted snapshot's buffers take the next copy (no fresh host memory per snapshot)
+            self._spare = next((s.host.tree for s in before if id(s) not in kept and s.clean and s.pinned == 0), None)
             self.baseline.refresh(self.model)  # the last known-good buffers (new or resized ones)
-            self._check_budget(snap, step)
-        if ckpt_due:
-            self._save_disk(snap, step, clean=True, reason="periodic")
-            self._last_checkpoint_step = step
+            self._check_budget(snap, snap.step)
+        if p.to_disk:
+            self._save_disk(snap, snap.step, clean=True, reason="periodic")
+
+    def _drop(self, p: "_Provisional") -> None:
+        if self._provisional is p:
+            self._provisional = None
+        if p.to_ring:
+            self._last_snapshot_step = p.prev_snapshot_step  # due again
+        if p.to_disk:
+            self._last_checkpoint_step = p.prev_checkpoint_step
+        if p.snap.host.ready():  # buffers no copy writes any more: the next snapshot reuses them
+            self._spare = p.snap.host.tree
 
     def _data_state(self, pending: int = 0) -> dict[str, Any] | None:
         return self.data.state_dict(pending) if self.data.restorable else None
@@ -269,10 +389,19 @@ class Recovery:
             snap.pinned -= 1
 
         path = self.checkpoints.save(snap.host, step, clean=clean, reason=reason, on_done=done)
-        self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
-                        message=f"checkpoint ({reason}{', clean' if clean else ''}) -> {path}",
-                        signal=reason, values={"clean": float(clean)}))
+        if path is not None:
+            self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
+                            message=f"checkpoint ({reason}{', clean' if clean else ''}) -> {path}",
+                            signal=reason, values={"clean": float(clean)}))
         return path
+
+    def _checkpoint_failed(self, path: Path, error: BaseException) -> None:
+        errno = getattr(error, "errno", None)
+        self.emit(Event(step=self._last_step_seen or 0, kind=Kind.CHECKPOINT, level=Level.WARNING,
+                        message=f"checkpoint write failed: {path} ({type(error).__name__}"
+                                f"{f' errno {errno}' if errno is not None else ''}: {error}); training goes on, "
+                                f"{self.checkpoints.failures if self.checkpoints else 0} failed so far",
+                        signal="checkpoint_failed", values={"failures": float(self.checkpoints.failures if self.checkpoints else 0)}))
 
     def checkpoint(self, step: int, reason: str) -> str | None:
         """Save now, e.g. on a warning while parameters are still finite. Kept as *unclean*
@@ -280,12 +409,17 @@ class Recovery:
 
         Call it either before step ``step``'s update (the watcher does: the batch drawn for it
         is then recorded as not yet trained, and the snapshot is labelled ``step - 1``) or after
-        ``after_step(step)`` (labelled ``step``). Returns the disk path, or ``"memory:<step>"``
-        without a checkpoint directory, or ``None`` when snapshots and checkpoints are off."""
+        ``after_step(step)`` / ``record_step(step)`` (labelled ``step``, or the last recorded step
+        when that is later: the label is always the step of the state it holds). Returns the disk
+        path, or ``"memory:<step>"`` without a checkpoint directory, or ``None`` when snapshots
+        and checkpoints are off."""
         if self.ring is None and self.checkpoints is None:
             return None
-        if self._last_step_seen == step:
-            label, pending = step, 0
+        seen = self._last_step_seen
+        if seen is not None and seen >= step - 1:
+            # the state's own step: step - 1 before this step's update, step after it, or later
+            # (async mode reads a warning after more updates were applied)
+            label, pending = seen, self._pending()
         else:
             label, pending = step - 1, self._pending()
         snap = self._capture(label, clean=False, reason=reason, to_ring=self.ring is not None, pending=pending)
@@ -370,6 +504,8 @@ class Recovery:
         copy taken at ``watch()`` before the first snapshot exists), verify.
         ``report.needs_rewind``: parameters could not be fixed. ``incident``: the steps after it
         are unclean for ``clean_window`` (a bad batch's poisoned buffers are not an incident)."""
+        self._settle(block=True)  # a snapshot still in flight is the newest copy source
+        fence_copies()  # and none may still be reading what the repair writes
         scan = scan if scan is not None else self.scan()
         if scan.clean:
             return RepairReport(scan, [], [], scan, step)
@@ -386,7 +522,7 @@ class Recovery:
             )
             self.repairs += 1
             if incident:
-                self._incident_tick = self._tick
+                self._incident_step = step
         values = {"tensors": float(len(scan.flags)), "elements": float(sum(f.nonfinite for f in scan.flags)),
                   "ok": float(report.ok)}
         self.emit(Event(step=step, kind=Kind.REPAIR, level=Level.WARNING if report.ok else Level.CRITICAL,
@@ -529,6 +665,13 @@ class Recovery:
                                        f"{cfg.max_rewinds}), the last at {ep.lr_factor:g}x the learning rate, did not hold. "
                                        "Resume from the last clean checkpoint with a lower learning rate.",
                                  "rewinds_exhausted")
+        self._settle(block=True)  # a confirmed snapshot still in flight is a candidate too
+        if self._provisional is not None:  # never judged: taken at or after the incident step
+            self._drop(self._provisional)
+        # Async mode: updates applied after the incident step, before the watcher read it. Their
+        # batches are not the incident's: trained again where the loader can seek, else quarantined.
+        in_flight = [s for s in self._history if s > step]
+        last = max([step, *in_flight])
         pre = scan if scan is not None else self.scan()  # what the incident left (rare path: one read)
         target = self._pick_target(step, onset, ep.first_target if ep is not None else None, poisoned=not pre.clean)
         if target is None:
@@ -541,6 +684,11 @@ class Recovery:
             assert self.checkpoints is not None and isinstance(src, CheckpointInfo)
             state, source = self.checkpoints.load(src)["state"], str(src.path)
         skip = None if cfg.rewind_skip_batches == SINCE_SNAPSHOT else int(cfg.rewind_skip_batches)
+        if skip is None and in_flight and isinstance(self.data, ResumableAdapter):
+            since = self.data.since(state.get("data")) or []
+            through = self._skip_through(step, since)
+            if through is not None:  # the data goes on right after the incident's batch, as in sync mode
+                skip = through
         if skip is not None and not self.data.restorable:
             raise self._halt(step, f"{reason} at step {step}; cannot rewind with rewind_skip_batches={skip}: "
                                    f"{self.data.why_not}", "data_position")
@@ -559,10 +707,10 @@ class Recovery:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
-        records = self._quarantine_records(refs, t_step, step, reason)
+        records = self._quarantine_records(refs, t_step, step, reason, last=last)
         self.rewinds += 1
         ep = self.recurrence.rewound(step, t_step, reason, [k for k in map(_record_key, records) if k is not None])
-        self._incident_tick = self._tick
+        self._incident_step = t_step
         self._last_snapshot_step = t_step
         self._last_checkpoint_step = min(self._last_checkpoint_step, t_step)
         if self.ring is not None:
@@ -587,7 +735,7 @@ class Recovery:
         else:
             rng_txt = ("the global RNGs were not restored: without a restorable loader they may be what draws the "
                        "batches, so they go on from where they are and the batches that follow are new ones")
-        msg = (f"{reason} at step {step}: rewound to the {kind_txt} state of step {t_step} ({source}), "
+        msg = (f"{reason}: rewound to the {kind_txt} state of step {t_step} ({source}), "
                f"{lost} step{'s' if lost != 1 else ''} lost" + (f" ({why})" if why else "")
                + f"; {len(records)} batch{'es' if len(records) != 1 else ''} never trained again: {_ranges(records)}"
                + f"; {rng_txt}")
@@ -614,13 +762,24 @@ class Recovery:
                             signal=reason, values={"batches": float(len(records))}, batch=first))
         return report
 
-    def _quarantine_records(self, refs: list[BatchRef] | None, t_step: int, step: int, reason: str) -> list[QuarantineRecord]:
-        # a batch skipped (and quarantined) on its own already is not listed twice
+    def _skip_through(self, step: int, since: list[BatchRef]) -> int | None:
+        """Of the batches ``since`` a snapshot, how many up to the one of ``step`` (None: unknown)."""
+        ref = self._history.get(step)
+        if ref is None:
+            return None
+        hits = [i for i, b in enumerate(since) if (b.epoch, b.batch_index) == (ref.epoch, ref.batch_index)]
+        return hits[-1] + 1 if hits else None
+
+    def _quarantine_records(self, refs: list[BatchRef] | None, t_step: int, step: int, reason: str,
+                            last: int | None = None) -> list[QuarantineRecord]:
+        # a batch skipped (and quarantined) on its own already is not listed twice; ``last``:
+        # async mode, the newest step applied before the incident was read (in flight)
         done = self._quarantined_steps
-        fps = self.fingerprints.read([s for s in range(t_step + 1, step + 1) if s not in done])
+        end = step if last is None else last
+        fps = self.fingerprints.read([s for s in range(t_step + 1, end + 1) if s not in done])
         if refs is None:  # positions unknown: one record per step drawn since the snapshot
             return [QuarantineRecord(step, reason, None, None, None, s, fps.get(s))
-                    for s in range(t_step + 1, step + 1) if s not in done]
+                    for s in range(t_step + 1, end + 1) if s not in done]
         drew = {(b.epoch, b.batch_index): s for s, b in self._history.items() if b is not None and s > t_step}
         cur = self.data.last_batch()
         if cur is not None and (cur.epoch, cur.batch_index) not in drew and step not in self._history:
@@ -672,12 +831,13 @@ class Recovery:
         if path is None:
             if self.checkpoints is None:
                 raise CheckpointError("resume() without a path needs RecoveryConfig.checkpoint_dir")
-            info = self.checkpoints.latest(clean_only=True)
-            if info is None:
-                raise CheckpointError(f"no clean checkpoint in {self.checkpoints.directory}")
-            path = info.path
-        payload = load_checkpoint(path, load_fn=self.config.load_fn)
+            path, payload = self._newest_readable()
+        else:
+            payload = load_checkpoint(path, load_fn=self.config.load_fn)
         state = payload["state"]
+        if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
+            raise CheckpointError(f"{path} holds no model state (its 'state' is {type(state).__name__}): "
+                                  "not a checkpoint earlywarn wrote, or written for another model")
         if restore_data:
             data = state.get("data")
             if data is None:
@@ -687,11 +847,17 @@ class Recovery:
             if not self.data.restorable:
                 raise DataPositionError(f"cannot restore the data position: {self.data.why_not}")
             self.data.load_state_dict(data)
-        restore_state(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                      scaler=self.scaler, extra=self.extra_state)
-        if state.get("recovery") is not None:
-            self.load_state_dict(state["recovery"])
-        step = int(payload["step"])
+        try:
+            restore_state(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                          scaler=self.scaler, extra=self.extra_state)
+            if state.get("recovery") is not None:
+                self.load_state_dict(state["recovery"])
+            step = int(payload["step"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
+            raise CheckpointError(
+                f"{path} does not fit this run ({type(e).__name__}: {e}); the model, optimizer or "
+                "objects restored may be partly overwritten: rebuild them and resume from a checkpoint "
+                "of this model") from e
         self._history.clear()
         self.fingerprints.clear()
         self._last_step_seen = step
@@ -700,11 +866,37 @@ class Recovery:
         self._last_checkpoint_step = step
         if self.ring is not None:
             self.ring.clear()
+        self._provisional = self._spare = None
         self.emit(Event(step=step, kind=Kind.RESUME, level=Level.INFO,
                         message=f"resumed from {path} at step {step}", signal="resume"))
         return step
 
+    def _newest_readable(self) -> tuple[Path, dict[str, Any]]:
+        """The newest clean checkpoint that reads back; a torn or unreadable newer one is
+        skipped with a warning event (a crash mid-copy, a truncated file on a full disk)."""
+        assert self.checkpoints is not None
+        cands = [c for c in reversed(self.checkpoints.list()) if c.clean]
+        if not cands:
+            raise CheckpointError(f"no clean checkpoint in {self.checkpoints.directory}")
+        errors = []
+        for info in cands:
+            try:
+                payload = load_checkpoint(info.path, load_fn=self.config.load_fn)
+            except CheckpointError as e:
+                errors.append(f"{info.path.name}: {e}")
+                continue
+            if errors:
+                msg = (f"resuming from {info.path} instead: the newer checkpoint(s) could not be read: "
+                       + "; ".join(errors))
+                import warnings
+
+                warnings.warn(f"earlywarn: {msg}", RuntimeWarning, stacklevel=3)
+                self.emit(Event(step=info.step, kind=Kind.RESUME, level=Level.WARNING, message=msg, signal="resume"))
+            return info.path, payload
+        raise CheckpointError(f"no readable clean checkpoint in {self.checkpoints.directory}: " + "; ".join(errors))
+
     def close(self) -> None:
-        """Wait for a background checkpoint write (raises its error)."""
+        """Finish the snapshot in flight; wait for a background checkpoint write (raises its error)."""
+        self._settle(block=True)
         if self.checkpoints is not None:
             self.checkpoints.close()

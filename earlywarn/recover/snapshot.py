@@ -7,8 +7,10 @@ A snapshot's ``state`` is a plain dict (the same layout a disk checkpoint stores
      "extra": {name: obj.state_dict()}}
 
 Every tensor is a host copy (device tensors go to pinned memory, asynchronously; ``wait()``
-before reading). When the ring is full, the evicted snapshot's buffers are reused for the new
-one, so periodic snapshots of a fixed-shape model do not allocate host memory again.
+before reading). The optimizer's parameters and state are copied on a side stream while the
+next step runs (see ``_state``: the guard fences the copy before the next optimizer write). When
+the ring is full, the evicted snapshot's buffers are reused for the new one, so periodic
+snapshots of a fixed-shape model do not allocate host memory again.
 
 Which snapshot a full ring recycles decides how far back a rewind must go, so it is chosen to
 keep the recent past covered: never the newest, and among the others the one whose removal
@@ -35,6 +37,7 @@ from ._state import (
     restore_model,
     restore_optimizer,
     restore_rng,
+    optimizer_tensors,
     state_bytes,
     to_host,
 )
@@ -50,9 +53,13 @@ def capture_state(
     data: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     reuse: Mapping[str, Any] | None = None,
+    check_finite: bool = False,
 ) -> HostCopy:
     """Host copy of the full training state. ``data`` is the loader's position state (already a
-    plain dict); ``extra`` maps names to objects with ``state_dict()``."""
+    plain dict); ``extra`` maps names to objects with ``state_dict()``. ``check_finite``: also
+    flag, on the device, whether the optimizer's parameters and state are finite
+    (``HostCopy.finite()``, read once the copy has landed: no host sync now). Under
+    torch.distributed the flag is agreed over ranks in one all-reduce: call it on every rank."""
     live = {
         "step": int(step),
         "model": model.state_dict(),
@@ -63,7 +70,9 @@ def capture_state(
         "data": data,
         "extra": {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in (extra or {}).items()},
     }
-    return to_host(live, reuse)
+    dist = torch.distributed
+    agree = check_finite and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree)
 
 
 def restore_state(
@@ -194,7 +203,12 @@ class SnapshotRing:
         return snap
 
     def add(self, snap: Snapshot | None) -> None:
+        """Add a snapshot copied elsewhere (the recovery's provisional one); when the ring is
+        full, the one :meth:`_victim` picks makes room (the caller may recycle its buffers)."""
         if snap is not None and (snap.clean or self.keep_unclean > 0):
+            victim = self._victim(snap.clean, snap.step)
+            if victim is not None:
+                self._entries.remove(victim)
             self._entries.append(snap)
         self._entries.sort(key=lambda s: s.step)
         for clean, cap in ((True, self.keep), (False, self.keep_unclean)):

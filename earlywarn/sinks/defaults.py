@@ -1,9 +1,14 @@
-"""Which sinks run when the user names none, and building a list of sinks from names.
+"""Which sinks run when the user names none, where their files go, and building sinks from names.
 
-Default: console + JSONL event log + MLflow's embedded store (``sqlite:///<cwd>/mlflow.db``, or
-``$MLFLOW_TRACKING_URI``) when mlflow is installed, so ``mlflow ui`` shows earlywarn's metrics and
-alerts with no setup. ``EARLYWARN_SINKS=console,jsonl`` (comma-separated names; ``none`` for no
-sink at all) overrides the default.
+Default sinks: console + JSONL event log + MLflow's embedded store when mlflow is installed, so
+``mlflow ui`` shows earlywarn's metrics and alerts with no setup. ``EARLYWARN_SINKS=console,jsonl``
+(comma-separated names; ``none`` for no sink at all) overrides the default.
+
+Default files go to one folder, ``./earlywarn_output/`` (``$EARLYWARN_OUTPUT_DIR`` moves it):
+``events.jsonl`` (the JSONL sink), ``mlflow.db`` (the embedded MLflow store) and
+``quarantine.jsonl`` (batches a rewind skipped, without a checkpoint directory). An MLflow
+configured by the user wins over the embedded store: ``$MLFLOW_TRACKING_URI``,
+``mlflow.set_tracking_uri(...)`` or an active MLflow run. ``watch()`` says once where the files go.
 """
 
 from __future__ import annotations
@@ -11,8 +16,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import sys
 import time
+from pathlib import Path
 from typing import Any, Iterable, Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 from earlywarn.sinks.background import BackgroundSink
 from earlywarn.sinks.base import Sink, make_sink
@@ -20,7 +29,17 @@ from earlywarn.sinks.base import Sink, make_sink
 log = logging.getLogger("earlywarn.sinks")
 
 ENV_VAR = "EARLYWARN_SINKS"
+OUTPUT_DIR_ENV = "EARLYWARN_OUTPUT_DIR"
+OUTPUT_DIR = "earlywarn_output"
+"""The folder for default files, in the working directory (not ``earlywarn/``: that name is the package's)."""
 _noted = False
+_announced: set[str] = set()
+
+
+def output_dir() -> Path:
+    """Where default files go: ``$EARLYWARN_OUTPUT_DIR`` or ``./earlywarn_output``, absolute (a
+    later ``chdir`` must not split a run's files). Nothing is created here."""
+    return Path(os.environ.get(OUTPUT_DIR_ENV) or OUTPUT_DIR).expanduser().absolute()
 
 
 def default_sink_specs() -> list[str]:
@@ -40,6 +59,95 @@ def default_sink_specs() -> list[str]:
             ENV_VAR,
         )
     return ["console", "jsonl"]
+
+
+def mlflow_configured() -> bool:
+    """Whether the user already chose an MLflow store: ``$MLFLOW_TRACKING_URI``,
+    ``mlflow.set_tracking_uri()`` or an active run. mlflow is looked at only if the user
+    imported it (never imported here)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return True
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return False
+    for check in (getattr(mlflow, "is_tracking_uri_set", None), lambda: mlflow.active_run() is not None):
+        try:
+            if check is not None and check():
+                return True
+        except Exception:  # noqa: BLE001 - an mlflow without it: ask the next question
+            continue
+    return False
+
+
+def embedded_mlflow_uri(folder: Path | None = None) -> str:
+    """``sqlite:///<folder>/mlflow.db``, the embedded store (absolute: ``mlflow ui`` can open it from anywhere)."""
+    return f"sqlite:///{(folder or output_dir()) / 'mlflow.db'}"
+
+
+def without_credentials(uri: str) -> str:
+    """``uri`` with any ``user:password@`` removed (safe to print)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    if "@" not in parts.netloc:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def mlflow_ui_command(uri: str) -> str:
+    """The command that opens ``uri`` in MLflow's UI, with the ``mlflow`` script of this Python
+    (``.venv/bin/mlflow`` is not on PATH unless the venv is activated)."""
+    bindir = Path(sys.executable).parent
+    script = bindir / ("mlflow.exe" if os.name == "nt" else "mlflow")
+    exe = "mlflow"
+    if script.exists():
+        on_path = shutil.which("mlflow")
+        if not (on_path and Path(on_path).resolve() == script.resolve()):
+            try:
+                exe = str(script.relative_to(Path.cwd()))
+            except ValueError:
+                exe = str(script)
+    return f"{exe} ui --backend-store-uri {without_credentials(uri)}"
+
+
+def with_default_locations(specs: Iterable[str | Sink], options_by_name: Mapping[str, Mapping[str, Any]]
+                           ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Options with the default file locations filled in for sinks named without one, and what
+    went where by sink name (for the one-time note). Locations the user gave are left alone."""
+    out = {k: dict(v) for k, v in options_by_name.items()}
+    folder = output_dir()
+    placed: dict[str, str] = {}
+    names = [s for s in specs if isinstance(s, str)]
+    if "jsonl" in names and "path" not in out.get("jsonl", {}):
+        out.setdefault("jsonl", {})["path"] = str(folder / "events.jsonl")
+        placed["jsonl"] = "events.jsonl (event log)"
+    mlflow_opts = out.get("mlflow", {})
+    if ("mlflow" in names and not mlflow_opts.get("tracking_uri") and not mlflow_opts.get("run_id")
+            and not mlflow_configured()):
+        uri = embedded_mlflow_uri(folder)
+        out.setdefault("mlflow", {})["tracking_uri"] = uri
+        placed["mlflow"] = f"mlflow.db (MLflow store; to look: {mlflow_ui_command(uri)})"
+        # A new store logs its table creation at INFO through mlflow's own handler: not news.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    return out, placed
+
+
+def _announce(placed: Mapping[str, str], sinks: list[Sink]) -> None:
+    running = {s.name for s in sinks}
+    what = [text for name, text in placed.items() if name in running]
+    if not what:
+        return
+    text = f"[earlywarn] writing to {output_dir()}{os.sep}: " + ", ".join(what) + f" (set {OUTPUT_DIR_ENV} to move them)"
+    if text in _announced:
+        return
+    _announced.add(text)
+    console = next((s for s in sinks if s.name == "console" and hasattr(s, "write")), None)
+    if console is not None:
+        console.write(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def build_sinks(
@@ -62,7 +170,7 @@ def build_sinks(
     ``main_process_only`` are left out.
     """
     specs = default_sink_specs() if specs is None else list(specs)
-    options_by_name = dict(options_by_name or {})
+    options_by_name, placed = with_default_locations(specs, dict(options_by_name or {}))
     unknown = set(options_by_name) - {s if isinstance(s, str) else s.name for s in specs}
     if unknown:
         log.warning("earlywarn: options given for sinks that are not used: %s", ", ".join(sorted(unknown)))
@@ -99,4 +207,7 @@ def build_sinks(
             sink.finish(0)
             failed.add(id(sink))
     # Keep the order the user gave.
-    return [s for s in sinks if (s in started) or (isinstance(s, BackgroundSink) and id(s) not in failed)]
+    kept = [s for s in sinks if (s in started) or (isinstance(s, BackgroundSink) and id(s) not in failed)]
+    if rank in (None, 0):
+        _announce(placed, kept)
+    return kept
