@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -185,6 +186,11 @@ def test_a_loop_lr_ramp_ends_in_a_halt_naming_the_recurrence_and_the_lr(tmp_path
     msg = str(halt)
     assert msg.startswith("recurrence: loss_diverged") and "not a bad batch" in msg
     assert "learning rate (param group 0):" in msg and "rising" in msg
+    # the trend: the rate at the restored step, at the first incident (read before the restore
+    # put the snapshot's back), now -- rising along the ramp
+    m = re.search(r"learning rate \(param group 0\): ([\d.e+-]+) at step \d+ \(restored\) -> ([\d.e+-]+) at step "
+                  r"\d+ \(first incident\) -> ([\d.e+-]+) at step", msg)
+    assert m and float(m.group(1)) < float(m.group(2)), msg
     if not resync:  # the loop kept its own iter_num: said so
         assert "the loop's learning rate did not go back with the rewind" in msg
     (first,) = out["reports"]  # one rewind, then the diagnosis: never a second one further back

@@ -700,6 +700,7 @@ class Recovery:
             refs = self.data.rewind(state.get("data"), skip)
         except DataPositionError as e:
             raise self._halt(step, f"{reason} at step {step}; cannot rewind the data exactly: {e}", "data_position") from e
+        live_lr = self.recurrence.live_lr()  # the incident's: the restore puts the snapshot's back
         rng = cfg.rewind_restore_rng if cfg.rewind_restore_rng is not None else self.data.restorable
         restore_state(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                       scaler=self.scaler, rng=rng,
@@ -709,7 +710,8 @@ class Recovery:
 
         records = self._quarantine_records(refs, t_step, step, reason, last=last)
         self.rewinds += 1
-        ep = self.recurrence.rewound(step, t_step, reason, [k for k in map(_record_key, records) if k is not None])
+        ep = self.recurrence.rewound(step, t_step, reason, [k for k in map(_record_key, records) if k is not None],
+                                     live_lr=live_lr)
         self._incident_step = t_step
         self._last_snapshot_step = t_step
         self._last_checkpoint_step = min(self._last_checkpoint_step, t_step)

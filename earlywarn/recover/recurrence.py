@@ -98,14 +98,16 @@ class Recurrence:
         return float(lr) if isinstance(lr, (int, float)) else None
 
     # -- rewinds ---------------------------------------------------------------------------------
-    def rewound(self, step: int, target: int, reason: str, quarantined: list[str]) -> Episode:
+    def rewound(self, step: int, target: int, reason: str, quarantined: list[str],
+                live_lr: float | None = None) -> Episode:
         """A rewind from ``step`` to ``target`` happened: open the episode, or count a recurrence
-        in it (and lower the learning rate for ``lr_steps`` steps, compounding)."""
+        in it (and lower the learning rate for ``lr_steps`` steps, compounding). ``live_lr``: the
+        learning rate of the incident step, read before the restore put the snapshot's back."""
         self._log.append((step, target, reason))
         ep = self.episode
         if ep is None:
             lr_path = {s: lr for s, lr in self._lr if target <= s <= step and lr is not None}
-            live = self.live_lr()
+            live = live_lr
             if live is not None:
                 lr_path[step] = live
             ep = self.episode = Episode(step, target, reason, 1, step, target, 1.0, [], lr_path)
