@@ -270,38 +270,41 @@ def big_gpt():
 
 
 def costs(rounds: int) -> None:
+    from earlywarn.recover import Recovery
+
     model, opt = big_gpt()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 128, (8, 256), generator=g)
     y = torch.randint(0, 128, (8, 256), generator=g)
     tmp = tempfile.mkdtemp(prefix="ew-rewind-bench-")
-    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=os.path.join(tmp, "q.jsonl")))
-    rec = ew.recovery
+    # the recovery layer the watcher drives, driven here directly: its snapshot and rewind paths
+    # are timed on their own, beside a training step
+    rec = Recovery(model, opt, RecoveryConfig(quarantine_path=os.path.join(tmp, "q.jsonl")))
+    clock = [0]
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
-        ew.report_loss(loss)
         loss.backward()
         t1 = time.perf_counter()
         opt.step()
         return time.perf_counter() - t0, time.perf_counter() - t1
 
-    for _ in range(2):  # warm-up; the first step takes the first snapshot
-        step()
-    every = rec.config.every
-
     def snapshot_path() -> float:
-        # exactly what after_step does when a snapshot is due: the scan, then the copy into the
-        # buffers of the snapshot it recycles (the ring is full after the first few)
+        # what after_step does when a snapshot is due: the host copy into the buffers of the
+        # snapshot it recycles, the device finiteness flag, keeping it in the ring
+        clock[0] += 1
+        rec._last_snapshot_step = None  # due now
         t0 = time.perf_counter()
-        scan = rec.scan()
-        assert scan.clean
-        rec._capture(ew.step, clean=True, reason="periodic", to_ring=True).wait()
+        rec.after_step(clock[0], clean=True)
+        rec.settle()
         return time.perf_counter() - t0
 
-    for _ in range(rec.ring.keep + 1):  # fill the ring: from now on every snapshot recycles buffers
+    for _ in range(2):  # warm-up: AdamW's state exists
+        step()
+    every = rec.config.every
+    for _ in range(rec.ring.keep + 2):  # fill the ring: from now on every snapshot recycles buffers
         snapshot_path()
     step_t, snap_t, opt_t, ratios = [], [], [], []
     for r in range(rounds):
@@ -314,16 +317,14 @@ def costs(rounds: int) -> None:
             else:
                 snap_t.append(v)
         ratios.append(1.0 + (snap_t[-1] / every) / step_t[-1])
-    snap = rec.ring.latest()
-    one = snap.nbytes
+    one = rec.ring.latest().nbytes
     slots = rec.ring.keep + rec.ring.keep_unclean
     print(f"\ncosts on the {param_count(model) / 1e6:.1f}M-parameter GPT (batch 8 x 256, fused AdamW, "
           f"{torch.get_num_threads()} threads), {rounds} paired rounds (median):")
     print(f"  training step                    {statistics.median(step_t) * 1e3:9.1f} ms")
-    print(f"  snapshot (scan + copy, recycled) {statistics.median(snap_t) * 1e3:9.1f} ms, every {every} steps "
-          f"-> {statistics.median(snap_t) / every * 1e3:.2f} ms/step")
-    print(f"  snapshot cost per step, paired   {statistics.median(ratios):9.4f}x of the step "
-          f"(target <= 1.01x)")
+    print(f"  snapshot (copy into recycled buffers + finiteness flag) {statistics.median(snap_t) * 1e3:7.1f} ms, "
+          f"every {every} steps -> {statistics.median(snap_t) / every * 1e3:.2f} ms/step")
+    print(f"  snapshot cost per step, paired   {statistics.median(ratios):9.4f}x of the step (target <= 1.01x)")
     print(f"  snapshot RAM                     {one / 1e6:9.1f} MB each (model {state_bytes(model.state_dict()) / 1e6:.1f} MB "
           f"+ AdamW state), ring of {slots} -> {slots * one / 1e6:.0f} MB")
     print(f"  plan reported at watch():        {rec.plan}")
@@ -331,27 +332,28 @@ def costs(rounds: int) -> None:
     # a rewind (in memory) vs one optimizer step vs one checkpoint load of the same state
     from earlywarn.recover.checkpoint import CheckpointManager
     mgr = CheckpointManager(os.path.join(tmp, "ckpt"), keep=1)
-    path = mgr.save(rec.ring.latest().host, ew.step, clean=True, reason="bench")
+    path = mgr.save(rec.ring.latest().host, clock[0], clean=True, reason="bench")
     mgr.wait()
-    rw_t, load_t = [], []
+    scanned, finite, load_t = [], [], []
     for r in range(max(3, rounds // 2)):
-        # make the state differ from the snapshot (one more real step), then restore it
-        step()
-        t0 = time.perf_counter()
-        rec.rewind(ew.step, "benchmark")
-        rw_t.append(time.perf_counter() - t0)
-        rec.recurrence.episode = None  # each timed rewind is a first one (not a recurrence)
-        step()
-        t0 = time.perf_counter()
-        payload = load_checkpoint(path)
-        restore_state(payload["state"], model=model, optimizer=opt)
-        load_t.append(time.perf_counter() - t0)
-        rec._capture(ew.step, clean=True, reason="periodic", to_ring=True).wait()
-    rw, ld, st = statistics.median(rw_t), statistics.median(load_t), statistics.median(opt_t)
-    print(f"  rewind (in memory, scan + restore + quarantine) {rw * 1e3:8.1f} ms = {rw / st:.2f}x one optimizer "
-          f"step ({st * 1e3:.1f} ms), {rw / ld:.2f}x one checkpoint load ({ld * 1e3:.1f} ms: torch.load "
-          "weights_only + restore; target <= 1x)")
-    ew.close()
+        for kind in ("scan", "finite", "load"):
+            step()  # the state moves on from the snapshot; then it is put back
+            t0 = time.perf_counter()
+            if kind == "load":
+                payload = load_checkpoint(path)
+                restore_state(payload["state"], model=model, optimizer=opt)
+            else:
+                clock[0] += 1
+                rec.rewind(clock[0], "benchmark", known_finite=kind == "finite")
+                rec.recurrence.episode = None  # each timed rewind is a first one (not a recurrence)
+            (load_t if kind == "load" else scanned if kind == "scan" else finite).append(time.perf_counter() - t0)
+            snapshot_path()
+    ld, st = statistics.median(load_t), statistics.median(opt_t)
+    for label, ts in (("a NaN incident (the state scan included)", scanned), ("a divergence (finite: no scan)", finite)):
+        rw = statistics.median(ts)
+        print(f"  rewind in memory, {label:42s} {rw * 1e3:7.1f} ms = {rw / st:5.2f}x one optimizer step "
+              f"({st * 1e3:.1f} ms), {rw / ld:.2f}x one checkpoint load ({ld * 1e3:.1f} ms; target <= 1x)")
+    print("  (checkpoint load: torch.load(weights_only=True) of the same state from the page cache + the restore)")
 
 
 def main() -> None:

@@ -828,7 +828,10 @@ class Watcher:
         if self._incident_onset is not None:
             onset = min(onset, self._incident_onset)
         try:
+            # a finite loss and finite gradients came from finite weights: no scan to take
+            known_finite = scan is None and not (decision.nonfinite or decision.loss_bad or decision.overflow)
             report = self.recovery.rewind(tag.step, reason=_reason(decision), onset=max(0, onset), scan=scan,
+                                          known_finite=known_finite,
                                           blame=self._blame(tag, decision, scan, max(0, onset)))
         except Halt as exc:
             self._halt(tag, str(exc), cause=exc)

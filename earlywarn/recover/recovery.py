@@ -632,6 +632,7 @@ class Recovery:
         blame: Mapping[str, Any] | Blame | None = None,
         onset: int | None = None,
         scan: StateScan | None = None,
+        known_finite: bool = False,
     ) -> RewindReport:
         """Restore the newest clean snapshot taken before the incident began (``onset``: its
         first abnormal step; default ``step``) -- memory first, then disk -- in place: model,
@@ -645,7 +646,9 @@ class Recovery:
         target and lower the learning rate). Raises :class:`Halt` then, when nothing to rewind
         to exists, or when the data cannot be moved as configured. The caller continues
         training at ``report.resume_step`` (the optimizer and scheduler are at that step).
-        ``scan``: a :meth:`scan` taken during this step already (else one is taken here)."""
+        ``scan``: a :meth:`scan` taken during this step already (else one is taken here, unless
+        ``known_finite``: the incident's loss and gradients were finite -- a divergence -- so the
+        weights that produced them are too, and no NaN/Inf needs looking for)."""
         cfg = self.config
         blame_d = _blame_dict(blame)
         if not cfg.rewind:
@@ -672,7 +675,12 @@ class Recovery:
         # batches are not the incident's: trained again where the loader can seek, else quarantined.
         in_flight = [s for s in self._history if s > step]
         last = max([step, *in_flight])
-        pre = scan if scan is not None else self.scan()  # what the incident left (rare path: one read)
+        if scan is not None:
+            pre = scan
+        elif known_finite:
+            pre = StateScan([], 0)
+        else:
+            pre = self.scan()  # what the incident left (rare path: one read)
         target = self._pick_target(step, onset, ep.first_target if ep is not None else None, poisoned=not pre.clean)
         if target is None:
             raise self._halt(step, f"{reason} at step {step}; no snapshot or checkpoint to rewind to (the first "
