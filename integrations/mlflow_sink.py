@@ -273,7 +273,7 @@ class _InProcess:
     def alive(self) -> bool:
         return True
 
-    def close(self, timeout: float) -> None:
+    def close(self, kill: bool = False) -> None:
         pass
 
 
@@ -349,15 +349,15 @@ class _ChildProcess:
                 return rest[1]
             _raise_reply(tuple(rest))
 
-    def close(self, timeout: float) -> None:
+    def close(self, kill: bool = False) -> None:
+        """EOF on its stdin: the child exits by itself (its work is acknowledged, so nobody waits
+        for its interpreter to shut down). ``kill``: a child that stopped answering."""
         try:
             if self.proc.stdin is not None:
-                self.proc.stdin.close()  # EOF: the child exits
+                self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        if kill and self.proc.poll() is None:
             self.proc.kill()
 
 
@@ -568,7 +568,7 @@ class MlflowSink(Sink):
         old, self._transport = self._transport, None
         self._started = False
         if old is not None:
-            old.close(0)
+            old.close(kill=True)
         # the next start() attaches to the same run (run_id, owns_run are in _options())
 
     def finish(self) -> None:
@@ -590,7 +590,7 @@ class MlflowSink(Sink):
             if self._started:
                 transport.call("finish", status, timeout=max(self.down_timeout, 1.0) + self.http_timeout)
         finally:
-            transport.close(2.0)
+            transport.close()
 
     # ------------------------------------------------------------------ records
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:

@@ -184,6 +184,9 @@ class BackgroundSink(Sink):
         self.exit_on_sigterm = exit_on_sigterm
         self.on_status = on_status
         self._redact: Callable[[str], str] = getattr(inner, "redact", None) or str
+        # A sink that does nothing with metrics (a webhook) gets none buffered for it.
+        self._wants_metrics = not (type(inner).log_metrics is Sink.log_metrics
+                                   and type(inner).log_metrics_batch is Sink.log_metrics_batch)
 
         self._cond = threading.Condition(threading.Lock())
         self._metrics: collections.deque[tuple[int, dict[str, float], float]] = collections.deque()
@@ -279,6 +282,8 @@ class BackgroundSink(Sink):
         self._put_metrics(int(step), dict(metrics), time.time())
 
     def _put_metrics(self, step: int, metrics: dict[str, float], t: float) -> None:
+        if not self._wants_metrics:
+            return
         n = len(metrics)
         with self._cond:
             if self._state in _ENDED:
@@ -529,7 +534,7 @@ class BackgroundSink(Sink):
                         self._cond.notify_all()
                         self._settled.set()
                 if fail:
-                    if not waiting:
+                    if not waiting and not closing:
                         log.warning("earlywarn: sink %r failed to start (%s); continuing without it",
                                     self.name, self._error_text(exc))
                     if closing or not waiting:
@@ -751,8 +756,9 @@ class BackgroundSink(Sink):
             first = not self._reported
             self._reported = True
         kept = f"kept in {where}" if where is not None else "dropped"
-        msg = (f"earlywarn: sink {self.name!r}: {len(metrics)} metric step(s) ({n_values} values) and "
-               f"{len(events)} event(s) not delivered because {reason}: {kept}")
+        what = [f"{len(metrics)} metric step(s) ({n_values} values)"] if metrics else []
+        what += [f"{len(events)} event(s)"] if events else []
+        msg = f"earlywarn: sink {self.name!r}: {' and '.join(what)} not delivered because {reason}: {kept}"
         if first:
             log.warning("%s", self._redact(msg))
         else:
