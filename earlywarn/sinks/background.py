@@ -185,7 +185,7 @@ class BackgroundSink(Sink):
         self.on_status = on_status
         self._redact: Callable[[str], str] = getattr(inner, "redact", None) or str
         # A sink that does nothing with metrics (a webhook) gets none buffered for it.
-        self._wants_metrics = not (type(inner).log_metrics is Sink.log_metrics
+        self.takes_metrics = not (type(inner).log_metrics is Sink.log_metrics
                                    and type(inner).log_metrics_batch is Sink.log_metrics_batch)
 
         self._cond = threading.Condition(threading.Lock())
@@ -282,7 +282,7 @@ class BackgroundSink(Sink):
         self._put_metrics(int(step), dict(metrics), time.time())
 
     def _put_metrics(self, step: int, metrics: dict[str, float], t: float) -> None:
-        if not self._wants_metrics:
+        if not self.takes_metrics:
             return
         n = len(metrics)
         with self._cond:
