@@ -33,7 +33,7 @@ from earlywarn.capture.grouping import GroupBy, build_layer_map
 from earlywarn.capture.hostread import LateReader, SyncReader
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
 from earlywarn.events import Event, Kind, Level
-from earlywarn.metrics import MetricsConfig, StepLevels, build_metrics
+from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
 from earlywarn.sinks import Sink
@@ -628,7 +628,8 @@ class Watcher:
         level = self._step_levels.take()
         if not self.sinks:
             return
-        metrics = build_metrics(
+        # Built on first read, so tracker sinks build it on their own thread, not this one.
+        metrics = StepMetrics(
             step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
             layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
             score=None if obs is None else self.detector.score, level=level,

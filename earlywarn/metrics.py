@@ -246,3 +246,60 @@ def build_metrics(
 
 
 _DEFAULT_CONFIG = MetricsConfig()
+
+
+class StepMetrics(Mapping[str, float]):
+    """One step's metrics, built on first use: what the watcher hands to every sink.
+
+    The training thread only keeps the step's inputs (the counters copied, the per-layer norms by
+    reference: a fresh array every step); :func:`build_metrics` runs when a sink first reads a
+    key, which for tracker sinks is on their background thread. A sink that ignores metrics
+    costs nothing. Reads like the ``dict`` :func:`build_metrics` returns (``dict(m)`` copies it).
+    """
+
+    __slots__ = ("step", "_args", "_built")
+
+    def __init__(self, step: int, *, grad_norm: float | None, loss: float | None, layer_names: Sequence[str] | None,
+                 layer_norms: np.ndarray | None, score: float | None, level: int, counters: Mapping[str, int],
+                 config: MetricsConfig | None = None):
+        self.step = int(step)
+        self._args = (grad_norm, loss, layer_names, layer_norms, score, int(level), dict(counters),
+                      config or _DEFAULT_CONFIG)
+        self._built: dict[str, float] | None = None
+
+    def _dict(self) -> dict[str, float]:
+        built = self._built
+        if built is None:
+            grad_norm, loss, names, norms, score, level, counters, cfg = self._args
+            built = self._built = build_metrics(self.step, grad_norm=grad_norm, loss=loss, layer_names=names,
+                                                layer_norms=norms, score=score, level=level, counters=counters,
+                                                config=cfg)
+        return built
+
+    def approx_len(self) -> int:
+        """About how many values this step holds, without building it (buffer accounting: the
+        same answer before and after it was built)."""
+        grad_norm, loss, names, norms, score, level, counters, cfg = self._args
+        n = 1 + len(COUNTERS) + len(counters) + 2 * (grad_norm is not None) + 2 * (loss is not None) + (score is not None)
+        if norms is not None:
+            layer_step = (cfg.layer_every > 0 and self.step % cfg.layer_every == 0) or (cfg.layer_on_alert and level >= 2)
+            size = int(np.size(norms))
+            n += 1 + (min(size, cfg.layer_top_k or size) if layer_step else 0)
+        return n
+
+    def __getitem__(self, key: str) -> float:
+        return self._dict()[key]
+
+    def __iter__(self):
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __repr__(self) -> str:
+        return f"StepMetrics(step={self.step}, {self._dict()!r})"
+
+
+def metrics_size(metrics: Mapping[str, float]) -> int:
+    """Values in ``metrics`` (estimated, without building, for a :class:`StepMetrics`)."""
+    return metrics.approx_len() if isinstance(metrics, StepMetrics) else len(metrics)

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from earlywarn.events import Event, Kind, Level
+from earlywarn.metrics import StepMetrics, metrics_size
 from earlywarn.sinks.base import PermanentSinkError, Sink
 
 log = logging.getLogger("earlywarn.sinks")
@@ -278,13 +279,15 @@ class BackgroundSink(Sink):
         return running
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        # Copied here: the caller may reuse its dict; the time is when it was logged.
-        self._put_metrics(int(step), dict(metrics), time.time())
+        # A plain dict is copied (the caller may reuse it); the watcher's StepMetrics is a snapshot
+        # that the worker builds. The time is when it was logged.
+        if self.takes_metrics:
+            self._put_metrics(int(step), metrics if isinstance(metrics, StepMetrics) else dict(metrics), time.time())
 
     def _put_metrics(self, step: int, metrics: dict[str, float], t: float) -> None:
         if not self.takes_metrics:
             return
-        n = len(metrics)
+        n = metrics_size(metrics)
         with self._cond:
             if self._state in _ENDED:
                 return
@@ -328,9 +331,9 @@ class BackgroundSink(Sink):
         # everything would turn one oversized step into silence.
         while self._values > self.max_buffered_values and len(self._metrics) > 1:
             _, old, _ = self._metrics.popleft()
-            self._values -= len(old)
+            self._values -= metrics_size(old)
             self.counters["dropped_records"] += 1
-            self.counters["dropped_values"] += len(old)
+            self.counters["dropped_values"] += metrics_size(old)
         self._note_drop_locked()
 
     def _note_drop_locked(self) -> None:
@@ -608,10 +611,10 @@ class BackgroundSink(Sink):
             kind, args = self._events.popleft()
             return kind, args, 1
         batch = [self._metrics.popleft()]
-        n = len(batch[0][1])
-        while self._metrics and n + len(self._metrics[0][1]) <= self.max_batch_values:
+        n = metrics_size(batch[0][1])
+        while self._metrics and n + metrics_size(self._metrics[0][1]) <= self.max_batch_values:
             rec = self._metrics.popleft()
-            n += len(rec[1])
+            n += metrics_size(rec[1])
             batch.append(rec)
         self._values -= n
         if self._metrics:
@@ -737,7 +740,7 @@ class BackgroundSink(Sink):
         """Spool (or drop) records that will not be delivered; warn once with the totals."""
         if not (metrics or events):
             return
-        n_values = sum(len(m) for _, m, _ in metrics)
+        n_values = sum(metrics_size(m) for _, m, _ in metrics)
         where = None
         if self.spool_path is not None:
             try:
