@@ -167,17 +167,17 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
             runs[name] = {"model": model, "opt": opt, "ew": ew, "spent": spent if ew else [], "blocks": [],
                           "cpu": 0.0, "steps": 0, "i": 0}
 
-        def one_step(r: dict) -> float:
+        def one_step(r: dict) -> tuple[float, float]:
             x, y = batches[r["i"] % len(batches)]
             r["i"] += 1
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             r["opt"].zero_grad(set_to_none=True)
             _, loss = r["model"](x, y)
             if r["ew"] is not None:
                 r["ew"].report_loss(loss)
             loss.backward()
             r["opt"].step()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.thread_time() - c0
 
         def quiesce() -> None:
             for r in runs.values():
@@ -200,25 +200,34 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                 r["steps"] += block
             print(f"  {label}: round {rnd + 1}/{rounds}", file=sys.stderr, flush=True)
 
-        bare = [statistics.median(b) for b in runs["bare step"]["blocks"]]
-        guard = [statistics.median(b) for b in runs["watch(sinks=[]) (the guard alone)"]["blocks"]]
+        def block_medians(name: str, which: int) -> list[float]:
+            return [statistics.median(t[which] for t in b) for b in runs[name]["blocks"]]
+
         model = runs["bare step"]["model"]
         print()
         print(f"{label}: {param_count(model) / 1e6:.2f}M params, batch {batch} x {cfg.block_size}, AdamW, "
               f"{torch.get_num_threads()} torch thread(s); {rounds} rounds x {block} steps per setup, "
-              f"rotating order; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+              f"rotating order; python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print("wall: step time; cpu: the training thread's CPU time per step (blind to other processes on a "
+              "shared host, and to waits for the GIL)")
         print()
-        print("| setup | ms/step | x bare (paired) | x guard alone (paired) | training-thread sink path, us/step | "
-              "background CPU, ms/step |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| setup | wall ms/step | wall x bare | wall x guard alone | cpu ms/step | cpu x bare | cpu x guard alone | "
+              "sink path on the training thread, us/step | background CPU, ms/step |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        ref = {w: (block_medians("bare step", w), block_medians("watch(sinks=[]) (the guard alone)", w)) for w in (0, 1)}
         for name in names:
             r = runs[name]
-            meds = [statistics.median(b) for b in r["blocks"]]
-            vs_bare = statistics.median(m / b for m, b in zip(meds, bare))
-            vs_guard = "-" if name == "bare step" else f"{statistics.median(m / g for m, g in zip(meds, guard)):.4f}x"
+            cells = []
+            for w in (0, 1):
+                meds = block_medians(name, w)
+                bare, guard = ref[w]
+                vs_bare = statistics.median(m / b for m, b in zip(meds, bare))
+                vs_guard = "-" if name == "bare step" else f"{statistics.median(m / g for m, g in zip(meds, guard)):.4f}x"
+                cells += [f"{statistics.median(meds) * 1e3:.2f}", f"{vs_bare:.4f}x", vs_guard]
             sink_us = f"{statistics.median(r['spent']) * 1e6:.1f}" if r["spent"] else "-"
             cpu = f"{r['cpu'] / max(r['steps'], 1) * 1e3:.3f}" if r["ew"] is not None else "-"
-            print(f"| {name} | {statistics.median(meds) * 1e3:.2f} | {vs_bare:.4f}x | {vs_guard} | {sink_us} | {cpu} |")
+            print(f"| {name} | {' | '.join(cells)} | {sink_us} | {cpu} |")
         for r in runs.values():
             if r["ew"] is not None:
                 r["ew"].close()

@@ -54,7 +54,7 @@ from typing import Any, Mapping, Sequence
 
 from earlywarn.events import Event, Level
 from earlywarn.metrics import sanitize_key
-from earlywarn.sinks.base import METRIC_PREFIX, EventTally, PermanentSinkError, Redactor, Sink, shorten
+from earlywarn.sinks.base import METRIC_PREFIX, EventTally, PermanentSinkError, Redactor, Sink, SinkStarting, shorten
 
 _MAX_PER_BATCH = 1000  # the server's limit on values (metrics + tags) per log_batch
 _MAX_TAG_VALUE = 5000
@@ -516,8 +516,9 @@ class MlflowSink(Sink):
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Connect (spawning the writer process on the first call) and open the run. Waits at
-        most ``start_timeout``; still connecting after that raises ``TimeoutError`` (the background
-        wrapper then lets training go on and calls again)."""
+        most ``start_timeout``; still connecting after that raises
+        :class:`~earlywarn.sinks.base.SinkStarting` (the background wrapper then lets training go
+        on and calls again)."""
         if self._started or self._finished:
             return
         if self._transport is None or not self._transport.alive():
@@ -537,7 +538,7 @@ class MlflowSink(Sink):
             try:
                 info = self._transport.wait(self._start_rid, self.start_timeout)
             except TimeoutError:
-                raise TimeoutError(f"MLflow at {self.redact(str(self.tracking_uri or 'the default store'))} "
+                raise SinkStarting(f"MLflow at {self.redact(str(self.tracking_uri or 'the default store'))} "
                                    f"did not answer within {self.start_timeout:g} s; still connecting") from None
             except BaseException:
                 self._start_rid = None  # the next start() asks again

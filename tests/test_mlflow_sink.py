@@ -300,3 +300,32 @@ def test_hugging_face_trainer_runs_get_distinct_names(mlflow_sqlite_uri, tmp_pat
         names[sink.inner.run_id] = MlflowClient(mlflow_sqlite_uri).get_run(sink.inner.run_id).info.run_name
     assert len(set(names.values())) == 3, names
     assert "named-run" in names.values()  # a name the user gave is kept as given
+
+
+KILLED_SCRIPT = """
+import os, signal, sys
+from earlywarn.integrations.mlflow_sink import MlflowSink
+sink = MlflowSink(tracking_uri=sys.argv[1], start_timeout=60)
+sink.start()
+sink.log_metrics(0, {"earlywarn/grad_norm": 1.0})
+print(sink.run_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the training process dies without finishing anything
+"""
+
+
+def test_training_process_killed_the_writer_ends_the_run_as_killed(mlflow_sqlite_uri, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), mlflow_sqlite_uri], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    run_id = proc.stdout.split()[0]
+    client = MlflowClient(mlflow_sqlite_uri)
+    end = time.monotonic() + 60
+    while client.get_run(run_id).info.status == "RUNNING" and time.monotonic() < end:
+        time.sleep(0.2)
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.metrics["earlywarn/grad_norm"] == 1.0  # what was handed over before the kill arrived

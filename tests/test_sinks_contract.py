@@ -52,7 +52,8 @@ def sink_options(request, tmp_path, webhook_url):
     name = request.node.callspec.params["name"]
     if name == "mlflow":
         pytest.importorskip("mlflow")
-        opts["mlflow"] = {"tracking_uri": request.getfixturevalue("mlflow_sqlite_uri"), "experiment": "contract"}
+        opts["mlflow"] = {"tracking_uri": request.getfixturevalue("mlflow_sqlite_uri"), "experiment": "contract",
+                          "start_timeout": 60}  # the writer process may take seconds to start on a busy host
     if name == "wandb":
         pytest.importorskip("wandb")
         request.getfixturevalue("wandb_env")

@@ -188,3 +188,25 @@ def test_start_error_raised_to_build_sinks_is_redacted(caplog):
         _REGISTRY.pop("refusing")
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "auth failed" in text and PASSWORD not in text and "***@tracker.example.org" in text
+
+
+def test_a_webhook_that_never_answers_does_not_hold_close(caplog):
+    """A host that accepts the connection and never answers (no refusal to notice): close() gives
+    up after down_timeout, not after the POST's own 10 s timeout, and says so once."""
+    caplog.set_level(logging.WARNING, logger="earlywarn.sinks")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # the kernel completes the handshake; nobody ever reads or answers
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/services/{TOKEN}"
+        sink = BackgroundSink(WebhookSink(url), exit_on_sigterm=False)
+        sink.start()
+        sink.alert(Event(step=1, kind=Kind.NONFINITE_GRAD, level=Level.CRITICAL, message="inf"))
+        time.sleep(0.2)  # the POST is under way
+        t0 = time.monotonic()
+        sink.finish()
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        listener.close()
+    final = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert len(final) <= 1 and all("xoxbTOKEN" not in m for m in final)

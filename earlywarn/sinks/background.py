@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 from earlywarn.events import Event, Kind, Level
 from earlywarn.metrics import StepMetrics, metrics_size
-from earlywarn.sinks.base import PermanentSinkError, Sink
+from earlywarn.sinks.base import PermanentSinkError, Sink, SinkStarting
 
 log = logging.getLogger("earlywarn.sinks")
 
@@ -209,6 +209,7 @@ class BackgroundSink(Sink):
         self._finish_budget = finish_timeout
         self._outage = False
         self._outage_since = 0.0
+        self._call_started: float | None = None  # when the delivery call under way began
         self._warned_drop = False
         self._warned_reject = False
         self._reported = False
@@ -434,7 +435,7 @@ class BackgroundSink(Sink):
                     left = self._close_deadline() - time.monotonic()
                     if left <= 0:
                         break
-                    self._cond.wait(min(left, 1.0))
+                    self._cond.wait(min(left, 0.25))  # a hang notifies nobody: look again soon
                 stuck = self._state != "closed" and thread.is_alive()
             if stuck:
                 # The worker is stuck in a call to the tracker; it is a daemon thread.
@@ -451,13 +452,19 @@ class BackgroundSink(Sink):
         """While closing: until when the worker keeps trying (shorter while the tracker is down)."""
         if self._finish_at is None:
             return None
-        budget = min(self._finish_budget, self.down_timeout) if self._outage else self._finish_budget
+        budget = min(self._finish_budget, self.down_timeout) if self._down() else self._finish_budget
         return self._finish_at + budget
+
+    def _down(self) -> bool:
+        """Down: the last attempt failed, or the call under way has hung for ``down_timeout``
+        (a host that drops packets never refuses the connection)."""
+        started = self._call_started
+        return self._outage or (started is not None and time.monotonic() - started > self.down_timeout)
 
     def _close_deadline(self) -> float:
         end = self._delivery_deadline()
         assert end is not None
-        return end + (min(self.close_timeout, 1.0) if self._outage else self.close_timeout)
+        return end + (min(self.close_timeout, 1.0) if self._down() else self.close_timeout)
 
     def _past_deadline(self) -> bool:
         end = self._delivery_deadline()
@@ -518,6 +525,23 @@ class BackgroundSink(Sink):
         while True:
             try:
                 self.inner.start()
+            except SinkStarting:
+                # Still coming up (it waited on its own): training goes on, ask again.
+                with self._cond:
+                    closing = self._state == "closing" and self._past_deadline()
+                if not closing:
+                    self._settled.set()
+                    continue
+                with self._cond:
+                    undelivered = (list(self._metrics), list(self._events))
+                    self._metrics.clear()
+                    self._events.clear()
+                    self._values = 0
+                self._give_up(*undelivered, reason="it was still starting")
+                with self._cond:
+                    self._state = "closed"
+                    self._cond.notify_all()
+                return False
             except BaseException as exc:  # noqa: BLE001 - reported to the caller or retried
                 permanent = isinstance(exc, _PERMANENT_START_ERRORS)
                 transient = isinstance(exc, _TRANSIENT_START_ERRORS) and not permanent
@@ -528,7 +552,7 @@ class BackgroundSink(Sink):
                         # A waiting caller warns and drops the sink; otherwise it is dropped here
                         # (a missing SDK or a bad option will not fix itself).
                         waiting = self._start_waiting
-                        self._state = "failed"
+                        self._state = "closed" if closing else "failed"
                         self._start_error = exc
                         undelivered = (list(self._metrics), list(self._events))
                         self._metrics.clear()
@@ -708,9 +732,11 @@ class BackgroundSink(Sink):
         the deadline); a record the tracker refuses counts as handled (rejected)."""
         delay = self.backoff_initial
         while True:
+            self._call_started = time.monotonic()
             try:
                 self._deliver(kind, payload)
             except PermanentSinkError as exc:
+                self._call_started = None
                 self.counters["rejected"] += count
                 self.last_error = self._error_text(exc)
                 if not self._warned_reject:
@@ -720,6 +746,7 @@ class BackgroundSink(Sink):
                                 self.last_error)
                 return True
             except Exception as exc:  # noqa: BLE001 - a tracker error must never reach training
+                self._call_started = None
                 self._on_failure(exc, f"log {kind}")
                 if self._past_deadline():
                     return False
@@ -728,6 +755,7 @@ class BackgroundSink(Sink):
                 if self._past_deadline():
                     return False
                 continue
+            self._call_started = None
             self._on_success()
             self.counters["delivered_records" if kind == "metrics" else "delivered_events"] += count
             return True

@@ -30,6 +30,12 @@ class PermanentSinkError(Exception):
     """
 
 
+class SinkStarting(TimeoutError):
+    """Raised by ``start()`` when the backend is still coming up after the sink's own wait (a
+    child process importing its SDK, a slow server): not a failure. The background wrapper lets
+    training go on and calls ``start()`` again."""
+
+
 class Sink:
     """Base class for everything that receives earlywarn's output.
 
