@@ -13,9 +13,11 @@ blocks of ``--block`` steps, in a rotating order, for ``--rounds`` rounds; after
 watcher is flushed (untimed) so one setup's backlog never lands in another's timings. Per round,
 each block's median step time is divided by the bare step's and by the guard-alone step's; the
 tables give the median over rounds ("x bare": the whole cost; "x guard": what the sinks add).
-Also printed: the training thread's own time in the sink path per step (``build_metrics`` and
-every sink call, timed inside ``Watcher._log_metrics``), and the CPU that background work used
-per step (the MLflow writer process, W&B's worker thread).
+Also printed: the training thread's own time in the sink path per step (everything inside
+``Watcher._log_metrics``: the step's metrics record and every sink call; in brackets the part
+spent reading ``detector.score``, which the detector computes on demand), and the CPU that
+background work used per step (the MLflow writer process, W&B's worker thread). Both columns
+are medians over steps; the ratios are medians over rounds of per-block medians.
 
 **Handoff** (``--part handoff``): earlier table, kept: the training-thread cost of handing 209
 values per step (200 per-layer norms every step, the worst case) to each sink against calling the
@@ -164,8 +166,20 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                     _spent.append(time.perf_counter() - t0)
 
                 ew._log_metrics = timed  # the training thread's whole sink path: build_metrics + sink calls
+                score_spent: list[float] = []
+                det_cls = type(ew.detector)
+
+                class TimedScore(det_cls):  # the detector's score, read in that path: timed apart
+                    @property
+                    def score(self, _cls: type = det_cls, _spent: list = score_spent) -> float:
+                        t0 = time.perf_counter()
+                        v = _cls.score.fget(self)
+                        _spent.append(time.perf_counter() - t0)
+                        return v
+
+                ew.detector.__class__ = TimedScore
             runs[name] = {"model": model, "opt": opt, "ew": ew, "spent": spent if ew else [], "blocks": [],
-                          "cpu": 0.0, "steps": 0, "i": 0}
+                          "score": score_spent if ew else [], "cpu": 0.0, "steps": 0, "i": 0}
 
         def one_step(r: dict) -> tuple[float, float]:
             x, y = batches[r["i"] % len(batches)]
@@ -213,7 +227,7 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
               "shared host, and to waits for the GIL)")
         print()
         print("| setup | wall ms/step | wall x bare | wall x guard alone | cpu ms/step | cpu x bare | cpu x guard alone | "
-              "sink path on the training thread, us/step | background CPU, ms/step |")
+              "sink path on the training thread, us/step (of which detector.score) | background CPU, ms/step |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         ref = {w: (block_medians("bare step", w), block_medians("watch(sinks=[]) (the guard alone)", w)) for w in (0, 1)}
         for name in names:
@@ -225,7 +239,8 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                 vs_bare = statistics.median(m / b for m, b in zip(meds, bare))
                 vs_guard = "-" if name == "bare step" else f"{statistics.median(m / g for m, g in zip(meds, guard)):.4f}x"
                 cells += [f"{statistics.median(meds) * 1e3:.2f}", f"{vs_bare:.4f}x", vs_guard]
-            sink_us = f"{statistics.median(r['spent']) * 1e6:.1f}" if r["spent"] else "-"
+            sink_us = (f"{statistics.median(r['spent']) * 1e6:.1f} ({statistics.median(r['score']) * 1e6:.1f})"
+                       if r["spent"] and r["score"] else "-")
             cpu = f"{r['cpu'] / max(r['steps'], 1) * 1e3:.3f}" if r["ew"] is not None else "-"
             print(f"| {name} | {' | '.join(cells)} | {sink_us} | {cpu} |")
         for r in runs.values():

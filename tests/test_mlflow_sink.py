@@ -109,7 +109,8 @@ def test_embedded_store_metrics_tags_artifacts(mlflow_sqlite_uri, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "model.pt").write_bytes(b"weights")
-    sink = MlflowSink(tracking_uri=mlflow_sqlite_uri, experiment="embedded", run_name="r1", upload_checkpoints=True)
+    sink = MlflowSink(tracking_uri=mlflow_sqlite_uri, experiment="embedded", run_name="r1", upload_checkpoints=True,
+                      start_timeout=60)  # the writer process may take seconds to start on a busy host
     sink.start()
     sink.start()
     sink.log_metrics_batch([(s, step_metrics(s), 1_700_000_000.0 + s) for s in range(12)])
@@ -185,7 +186,7 @@ def test_unknown_run_id_is_dropped_by_build_sinks(mlflow_sqlite_uri, caplog):
 def test_run_ended_by_sigterm_is_marked_killed(mlflow_sqlite_uri, monkeypatch):
     import earlywarn.sinks.background as background
 
-    sink = MlflowSink(tracking_uri=mlflow_sqlite_uri)
+    sink = MlflowSink(tracking_uri=mlflow_sqlite_uri, start_timeout=60)
     sink.start()
     monkeypatch.setattr(background, "_signal_exit_code", 143)  # what the SIGTERM handler records
     sink.finish()
