@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from earlywarn.events import Event, Kind, Level
-from earlywarn.metrics import StepMetrics, metrics_size
+from earlywarn.metrics import StepMetrics
 from earlywarn.sinks.base import PermanentSinkError, Sink, SinkStarting
 
 log = logging.getLogger("earlywarn.sinks")
@@ -190,9 +190,15 @@ class BackgroundSink(Sink):
                                    and type(inner).log_metrics_batch is Sink.log_metrics_batch)
 
         self._cond = threading.Condition(threading.Lock())
-        self._metrics: collections.deque[tuple[int, dict[str, float], float]] = collections.deque()
-        self._values = 0  # values in self._metrics
-        self._first_put = 0.0  # monotonic time the oldest buffered metric record arrived
+        # (step, metrics, unix time, values counted). The training thread appends without the lock
+        # (deque.append is atomic) and counts into _values_in; the worker pops under the lock and
+        # counts into _values_out; the lock is taken on the training thread only to wake the worker
+        # (a full batch, or batch_interval 0) or to drop the oldest past the bound.
+        self._metrics: collections.deque[tuple[int, Mapping[str, float], float, int]] = collections.deque()
+        self._values_in = 0
+        self._values_out = 0
+        self._record_values = 32  # values per StepMetrics record, for accounting (learned by the worker)
+        self._wake_values = min(max_batch_values, max_buffered_values)
         self._events: collections.deque[tuple[str, tuple]] = collections.deque()
         self._inflight = 0  # records taken by the worker and not yet delivered / dropped
         self._worker_waiting = False
@@ -210,6 +216,8 @@ class BackgroundSink(Sink):
         self._outage = False
         self._outage_since = 0.0
         self._call_started: float | None = None  # when the delivery call under way began
+        self._inflight_item: tuple[str, Any] | None = None
+        self._abandoned = False
         self._warned_drop = False
         self._warned_reject = False
         self._reported = False
@@ -283,31 +291,35 @@ class BackgroundSink(Sink):
         # A plain dict is copied (the caller may reuse it); the watcher's StepMetrics is a snapshot
         # that the worker builds. The time is when it was logged.
         if self.takes_metrics:
-            self._put_metrics(int(step), metrics if isinstance(metrics, StepMetrics) else dict(metrics), time.time())
-
-    def _put_metrics(self, step: int, metrics: dict[str, float], t: float) -> None:
-        if not self.takes_metrics:
-            return
-        n = metrics_size(metrics)
-        with self._cond:
-            if self._state in _ENDED:
-                return
-            if not self._metrics:
-                self._first_put = time.monotonic()
-                wake = True  # the worker starts its batch_interval clock
+            if type(metrics) is dict:
+                self._put_metrics(int(step), dict(metrics), time.time(), len(metrics))
+            elif isinstance(metrics, StepMetrics):
+                self._put_metrics(step, metrics, time.time(), self._record_values)
             else:
-                wake = self.batch_interval <= 0
-            self._metrics.append((step, metrics, t))
-            self._values += n
-            if self._values > self.max_buffered_values:
-                self._drop_oldest_locked()
-            if self._worker_waiting and (wake or self._values >= self.max_batch_values):
-                self._cond.notify()
+                self._put_metrics(int(step), dict(metrics), time.time(), len(metrics))
+
+    @property
+    def _values(self) -> int:
+        """Values buffered now (approximate for StepMetrics records)."""
+        return self._values_in - self._values_out
+
+    def _put_metrics(self, step: int, metrics: Mapping[str, float], t: float, n: int) -> None:
+        if self._state in _ENDED:
+            return
+        self._metrics.append((step, metrics, t, n))
+        self._values_in += n
+        if self.batch_interval <= 0 or self._values_in - self._values_out >= self._wake_values:
+            with self._cond:
+                if self._values > self.max_buffered_values:
+                    self._drop_oldest_locked()
+                if self._worker_waiting:
+                    self._cond.notify()
 
     def log_metrics_batch(self, records) -> None:
         """Buffer several ``(step, metrics, unix_time)`` records, keeping their times."""
-        for step, metrics, t in records:
-            self._put_metrics(int(step), dict(metrics), float(t))
+        if self.takes_metrics:
+            for step, metrics, t in records:
+                self._put_metrics(int(step), dict(metrics), float(t), len(metrics))
 
     def alert(self, event: Event) -> None:
         self._put_event("alert", (event,))
@@ -331,11 +343,22 @@ class BackgroundSink(Sink):
         # Keep the newest record even if it alone is over the bound: a bound that drops
         # everything would turn one oversized step into silence.
         while self._values > self.max_buffered_values and len(self._metrics) > 1:
-            _, old, _ = self._metrics.popleft()
-            self._values -= metrics_size(old)
+            _, _, _, n = self._metrics.popleft()
+            self._values_out += n
             self.counters["dropped_records"] += 1
-            self.counters["dropped_values"] += metrics_size(old)
+            self.counters["dropped_values"] += n
         self._note_drop_locked()
+
+    def _drain_locked(self) -> tuple[list, list]:
+        """Everything buffered, removed: ``(step, metrics, time)`` records and events."""
+        metrics = []
+        while self._metrics:
+            step, m, t, n = self._metrics.popleft()
+            self._values_out += n
+            metrics.append((step, m, t))
+        events = list(self._events)
+        self._events.clear()
+        return metrics, events
 
     def _note_drop_locked(self) -> None:
         if not self._warned_drop:
@@ -405,10 +428,7 @@ class BackgroundSink(Sink):
             if self._state in ("closing", "closed"):
                 return
             if self._state in ("new", "failed"):
-                undelivered = (list(self._metrics), list(self._events))
-                self._metrics.clear()
-                self._events.clear()
-                self._values = 0
+                undelivered = self._drain_locked()
                 self._state = "closed"
                 self._cond.notify_all()
             else:
@@ -438,12 +458,15 @@ class BackgroundSink(Sink):
                     self._cond.wait(min(left, 0.25))  # a hang notifies nobody: look again soon
                 stuck = self._state != "closed" and thread.is_alive()
             if stuck:
-                # The worker is stuck in a call to the tracker; it is a daemon thread.
+                # The worker is stuck in a call to the tracker; it is a daemon thread. What it
+                # holds is reported with the rest (and not counted again if the call ever returns).
                 with self._cond:
-                    undelivered = (list(self._metrics), list(self._events))
-                    self._metrics.clear()
-                    self._events.clear()
-                    self._values = 0
+                    undelivered = self._drain_locked()
+                    if self._inflight_item is not None:
+                        held = self._as_lists(*self._inflight_item)
+                        undelivered = (held[0] + undelivered[0], held[1] + undelivered[1])
+                        self._inflight_item = None
+                        self._abandoned = True
                 self._give_up(*undelivered, reason=f"the tracker did not answer within "
                                                    f"{self._close_deadline() - (self._finish_at or 0):.0f} s")
         self._unregister_atexit()
@@ -533,10 +556,7 @@ class BackgroundSink(Sink):
                     self._settled.set()
                     continue
                 with self._cond:
-                    undelivered = (list(self._metrics), list(self._events))
-                    self._metrics.clear()
-                    self._events.clear()
-                    self._values = 0
+                    undelivered = self._drain_locked()
                 self._give_up(*undelivered, reason="it was still starting")
                 with self._cond:
                     self._state = "closed"
@@ -554,10 +574,7 @@ class BackgroundSink(Sink):
                         waiting = self._start_waiting
                         self._state = "closed" if closing else "failed"
                         self._start_error = exc
-                        undelivered = (list(self._metrics), list(self._events))
-                        self._metrics.clear()
-                        self._events.clear()
-                        self._values = 0
+                        undelivered = self._drain_locked()
                         self._cond.notify_all()
                         self._settled.set()
                 if fail:
@@ -575,10 +592,7 @@ class BackgroundSink(Sink):
                 delay = min(delay * 2, self.backoff_max)
                 with self._cond:
                     if self._state == "closing" and self._past_deadline():
-                        undelivered = (list(self._metrics), list(self._events))
-                        self._metrics.clear()
-                        self._events.clear()
-                        self._values = 0
+                        undelivered = self._drain_locked()
                         give_up = True
                     else:
                         give_up = False
@@ -624,30 +638,33 @@ class BackgroundSink(Sink):
             self._status(Level.INFO, f"tracker {self.name} is back")
 
     def _metrics_due_locked(self) -> float:
-        """Seconds until buffered metrics should be delivered (<= 0: now)."""
+        """Seconds until buffered metrics should be delivered (<= 0: now): ``batch_interval``
+        after the oldest one was logged, at once when a batch is full, on flush and on finish."""
         if (self.batch_interval <= 0 or self._state == "closing" or self._values >= self.max_batch_values
                 or self._flush_done < self._flush_requested):
             return 0.0
-        return self._first_put + self.batch_interval - time.monotonic()
+        return self._metrics[0][2] + self.batch_interval - time.time()
 
     def _take_locked(self) -> tuple[str, Any, int]:
         if self._events:
             kind, args = self._events.popleft()
             return kind, args, 1
-        batch = [self._metrics.popleft()]
-        n = metrics_size(batch[0][1])
-        while self._metrics and n + metrics_size(self._metrics[0][1]) <= self.max_batch_values:
-            rec = self._metrics.popleft()
-            n += metrics_size(rec[1])
-            batch.append(rec)
-        self._values -= n
-        if self._metrics:
-            self._first_put = time.monotonic() - self.batch_interval  # the rest is overdue already
+        step, m, t, n = self._metrics.popleft()
+        batch, total = [(step, m, t)], n
+        while self._metrics and total + self._metrics[0][3] <= self.max_batch_values:
+            step, m, t, n = self._metrics.popleft()
+            batch.append((step, m, t))
+            total += n
+        self._values_out += total
         return "metrics", batch, len(batch)
 
     def _deliver(self, kind: str, payload: Any) -> None:
         if kind == "metrics":
             self.inner.log_metrics_batch(payload)
+            # what a step record really holds (now built), for the accounting of the next ones
+            sizes = [len(m) for _, m, _ in payload if isinstance(m, StepMetrics)]
+            if sizes:
+                self._record_values = max(1, (4 * self._record_values + sum(sizes) // len(sizes)) // 5)
         elif kind == "alert":
             self.inner.alert(*payload)
         elif kind == "checkpoint":
@@ -660,10 +677,7 @@ class BackgroundSink(Sink):
             log.exception("earlywarn: the worker of sink %r stopped; its records are dropped", self.name)
             with self._cond:
                 self.last_error = self._error_text(exc)
-                undelivered = (list(self._metrics), list(self._events))
-                self._metrics.clear()
-                self._events.clear()
-                self._values = 0
+                undelivered = self._drain_locked()
                 self._inflight = 0
                 self._state = "failed"
                 self._settled.set()
@@ -686,7 +700,8 @@ class BackgroundSink(Sink):
             if self._state == "closing" or self._flush_done < self._flush_requested:
                 return None
             self._worker_waiting = True
-            self._cond.wait()
+            # metrics arrive without waking the worker (unless batch_interval is 0): look again then
+            self._cond.wait(self.batch_interval if self.batch_interval > 0 else None)
             self._worker_waiting = False
 
     def _work(self) -> None:
@@ -709,17 +724,21 @@ class BackgroundSink(Sink):
                     break
                 continue
             kind, payload, count = item
+            with self._cond:
+                self._inflight_item = (kind, payload)
             delivered = self._deliver_with_retries(kind, payload, count)
             with self._cond:
                 self._inflight = 0
+                self._inflight_item = None
+                if self._abandoned:  # finish() gave up on this call and reported it
+                    self._cond.notify_all()
+                    continue
                 give_up = not delivered and self._past_deadline()
                 if give_up:
                     metrics, events = self._as_lists(kind, payload)
-                    metrics += list(self._metrics)
-                    events += list(self._events)
-                    self._metrics.clear()
-                    self._events.clear()
-                    self._values = 0
+                    rest = self._drain_locked()
+                    metrics += rest[0]
+                    events += rest[1]
                 self._cond.notify_all()
             if give_up:
                 why = f"the tracker is down ({self.last_error})" if self._outage else "finish() ran out of time"
@@ -757,7 +776,8 @@ class BackgroundSink(Sink):
                 continue
             self._call_started = None
             self._on_success()
-            self.counters["delivered_records" if kind == "metrics" else "delivered_events"] += count
+            if not self._abandoned:  # else finish() already reported it as not delivered
+                self.counters["delivered_records" if kind == "metrics" else "delivered_events"] += count
             return True
 
     @staticmethod
@@ -768,7 +788,7 @@ class BackgroundSink(Sink):
         """Spool (or drop) records that will not be delivered; warn once with the totals."""
         if not (metrics or events):
             return
-        n_values = sum(metrics_size(m) for _, m, _ in metrics)
+        n_values = sum(len(m) for _, m, _ in metrics)
         where = None
         if self.spool_path is not None:
             try:
