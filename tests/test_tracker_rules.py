@@ -106,8 +106,7 @@ def test_mlflow_attached_to_the_users_run(mlflow_uri, tmp_path, monkeypatch, use
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    mlflow.set_tracking_uri(mlflow_uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)  # the user's setup (set_tracking_uri would outlive the test)
     with mlflow.start_run(run_name="user-run") as user_run:
         scn = run_scenario(["mlflow"], {"mlflow": FAST_MLFLOW}, user_every=user_every,
                            user_log=lambda step: mlflow.log_metric("user/step_done", step, step=step))
@@ -136,7 +135,7 @@ def test_mlflow_readme_searches_against_a_real_store(mlflow_server, tmp_path, mo
     warned = run_scenario(["mlflow"], {"mlflow": {**opts, "run_name": "warned"}}, steps=50)
     warned.watcher.close()
     assert {e.kind for e in warned.events} >= {Kind.COLLAPSE_RISK} and warned.watcher.counters["rewinds"] == 0
-    mlflow.set_tracking_uri(mlflow_server.uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
     exp = mlflow.get_experiment_by_name("searches")
 
     def names(filter_string: str) -> set[str]:
