@@ -8,7 +8,9 @@
 library's source; d=128, 4 heads, batch 8 x 64, AdamW, one torch thread) under each sink setup:
 the bare step, ``watch(sinks=[])`` (the guard alone), console only, the defaults (console + JSONL +
 embedded MLflow), and each tracker alone (embedded MLflow, W&B offline, a webhook to a local HTTP
-server). Each setup has its own model and optimizer on the same batches. They run in contiguous
+server), and the guard alone a second time: that A/A pair differs only by noise and by where
+each model instance sits in memory, so its ratio is the resolution of the other rows. Each setup
+has its own model and optimizer on the same batches. They run in contiguous
 blocks of ``--block`` steps, in a rotating order, for ``--rounds`` rounds; after each block every
 watcher is flushed (untimed) so one setup's backlog never lands in another's timings. Per round,
 each block's median step time is divided by the bare step's and by the guard-alone step's; the
@@ -137,6 +139,7 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
         setups: dict[str, Any] = {
             "bare step": None,
             "watch(sinks=[]) (the guard alone)": [],
+            "watch(sinks=[]) again: A/A control": [],
             "console": ["console"],
             "defaults: console + jsonl + mlflow (embedded)": None,
             "mlflow (embedded sqlite)": ["mlflow"],

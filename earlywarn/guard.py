@@ -289,14 +289,13 @@ class Watcher:
             self.detach()
         finally:
             for sink in self.sinks:  # all at once: two trackers that are down cost one wait, not two
-                begin = getattr(sink, "begin_finish", None)
-                if begin is not None:
+                if hasattr(sink, "begin_finish"):
                     _safe(sink, "begin_finish")
             for sink in self.sinks:
                 try:
                     sink.finish()
                 except Exception as exc:  # a tracker must never kill training
-                    warnings.warn(f"earlywarn: sink {sink.name!r} failed to finish: {sink.redact(str(exc))}")
+                    warnings.warn(f"earlywarn: sink {sink.name!r} failed to finish: {_redact(sink, exc)}")
 
     def __enter__(self) -> "Watcher":
         return self
@@ -689,7 +688,12 @@ def _safe(sink: Sink, method: str, *args: Any) -> None:
     try:
         getattr(sink, method)(*args)
     except Exception as exc:  # a tracker must never kill training
-        warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {sink.redact(str(exc))}")
+        warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {_redact(sink, exc)}")
+
+
+def _redact(sink: Sink, exc: BaseException) -> str:
+    """The error's text with the sink's credentials masked (URI user info, webhook tokens)."""
+    return getattr(sink, "redact", str)(str(exc))
 
 
 def _checkpoint_path(event: Event) -> str:

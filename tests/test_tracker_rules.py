@@ -14,8 +14,8 @@ import pytest
 
 from earlywarn.events import Kind, Level
 from tracker_scenario import (
-    P, RULES, SKIP_AT, carried_rows, check_scenario_has_every_incident, fire_all, mlflow_rows, run_scenario,
-    truth_levels, wandb_rows,
+    P, SKIP_AT, carried_rows, check_scenario_has_every_incident, fire_all, mlflow_rows, run_scenario,
+    truth_levels, wandb_rows, wandb_rows_with_wandbs_own_tool,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*noload.*:DeprecationWarning")  # inside mlflow's store
@@ -207,6 +207,7 @@ def test_wandb_owned_run_rules_fire_where_they_should(wandb_env, tmp_path, monke
     rows = wandb_rows(r)
     check_wandb_rows(rows, scn, expect_ends=[s for s, _ in scn.recorder.rows])  # a row per step
     assert fire_all(rows) == fired
+    assert fire_all(wandb_rows_with_wandbs_own_tool(r.path)) == fired  # W&B's own reader agrees
     assert r.summary[P + "status"] == "critical" and r.summary[P + "worst_level"] == 3
     assert r.summary[P + "first_critical_step"] == SKIP_AT and r.summary[P + "count/rewind"] == 1
     assert r.summary[P + "alert_level"]["max"] == 3
@@ -242,7 +243,7 @@ def test_wandb_attached_rows_carry_the_worst_and_the_counters(wandb_env, tmp_pat
     rows = wandb_rows(r)
     want = check_wandb_rows(rows, scn, expect_ends=ends)
     fired = fire_all(rows)
-    assert fired == fire_all(want)
+    assert fired == fire_all(want) == fire_all(wandb_rows_with_wandbs_own_tool(r.path))
     for name in ("critical", "warning_or_worse", "nonfinite_gradient", "gradient_not_finite", "steps_skipped",
                  "state_repaired", "rewound", "checkpoint_written"):
         # a user row fires exactly when one of the steps it carries fired (a change needs a row before it)

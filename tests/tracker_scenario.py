@@ -227,3 +227,25 @@ def mlflow_rows(client: Any, run_id: str) -> list[tuple[int, dict]]:
 def wandb_rows(offline_run: Any) -> list[tuple[int, dict]]:
     """History rows that hold earlywarn's values, keyed by ``earlywarn/step``."""
     return [(int(r[P + "step"]), r) for r in offline_run.history if P + "step" in r]
+
+
+def wandb_rows_with_wandbs_own_tool(run_file: str) -> list[tuple[int, dict]]:
+    """The same rows, read by W&B's own CLI (``wandb leet inspect --json``) instead of our reader."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    exe = os.path.join(os.path.dirname(sys.executable), "wandb")
+    out = subprocess.run([exe, "leet", "inspect", "--json", run_file], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        rec = json.loads(line)
+        if rec.get("type") != "history":
+            continue
+        item = {k: (float(v) if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity") else v)
+                for k, v in rec["history"]["item"].items()}
+        if P + "step" in item:
+            rows.append((int(item[P + "step"]), item))
+    return rows
