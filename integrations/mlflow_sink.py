@@ -54,7 +54,7 @@ from typing import Any, Mapping, Sequence
 
 from earlywarn.events import Event, Level
 from earlywarn.metrics import sanitize_key
-from earlywarn.sinks.base import METRIC_PREFIX, EventTally, PermanentSinkError, Redactor, Sink, SinkStarting, shorten
+from earlywarn.sinks.base import METRIC_PREFIX, EventTally, PermanentSinkError, Redactor, Sink, SinkStarting, alert_line
 
 _MAX_PER_BATCH = 1000  # the server's limit on values (metrics + tags) per log_batch
 _MAX_TAG_VALUE = 5000
@@ -189,7 +189,7 @@ class MlflowWriter:
         tally = self.tally.copy()  # kept only once the tags are written: a retry sends them again
         changed = tally.update(event)
         tags = {TAG_PREFIX + k: str(v) for k, v in changed.items()}
-        last = shorten(f"{event.title}: {event.message}", _LAST_ALERT_CHARS)
+        last = alert_line(event, _LAST_ALERT_CHARS)
         if last != self._last_alert:
             tags[TAG_PREFIX + "last_alert"] = last
         metric = self._Metric(METRIC_PREFIX + "incident_level", float(int(event.level)), int(event.time * 1000), event.step)

@@ -39,7 +39,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 from earlywarn.events import Event, Level
-from earlywarn.sinks.base import METRIC_PREFIX, EventTally, Sink, shorten
+from earlywarn.sinks.base import METRIC_PREFIX, EventTally, Sink, alert_line
 
 _W_LEVEL = {Level.NONE: "INFO", Level.INFO: "INFO", Level.WARNING: "WARN", Level.CRITICAL: "ERROR"}
 _TITLE_MAX = 63  # W&B wants titles < 64 characters
@@ -260,7 +260,7 @@ class WandbSink(Sink):
             self._halted = True
         changed = self._tally.update(event)
         summary = {METRIC_PREFIX + k.replace("count.", "count/"): v for k, v in changed.items()}
-        summary[METRIC_PREFIX + "last_alert"] = shorten(f"{event.title}: {event.message}", _LAST_ALERT_CHARS)
+        summary[METRIC_PREFIX + "last_alert"] = alert_line(event, _LAST_ALERT_CHARS)
         run.summary.update(summary)
         if event.level < self.alert_min_level:
             return

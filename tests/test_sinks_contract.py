@@ -155,3 +155,23 @@ def test_importing_sinks_and_integrations_pulls_in_no_sdk():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_tag_text_is_cut_at_a_word_and_the_tally_keeps_the_worst():
+    from earlywarn.sinks.base import EventTally, alert_line, shorten
+
+    assert shorten("one two three four", 12) == "one two..."
+    assert shorten("abcdefghijklmnop", 8) == "abcde..."  # one word longer than the limit: cut, marked
+    long = Event(step=7, kind=Kind.GRAD_SPIKE, level=Level.INFO, message="word " * 200, layers=("l0",))
+    line = alert_line(long, 100)
+    assert len(line) <= 100 and line.endswith("word...") and line.startswith("earlywarn info: grad_spike in l0 @ step 7:")
+    t = EventTally()
+    t.update(Event(step=20, kind=Kind.NONFINITE_GRAD, level=Level.CRITICAL, message="x"))
+    t.update(Event(step=30, kind=Kind.CHECKPOINT, level=Level.INFO, message="x"))
+    changed = t.update(Event(step=40, kind=Kind.GRAD_SPIKE, level=Level.INFO, message="x"))
+    assert changed == {"kinds": "checkpoint,grad_spike,nonfinite_grad", "count.grad_spike": 1}  # the worst stays
+    assert t.as_dict()["status"] == "critical" and t.first_critical == t.last_critical == ("nonfinite_grad", 20)
+    resumed = EventTally()
+    resumed.restore_tags({"earlywarn.status": "warning", "earlywarn.count.skip": "3",
+                          "earlywarn.first_critical_kind": "skip", "earlywarn.first_critical_step": "5"}, "earlywarn.")
+    assert resumed.worst == Level.WARNING and resumed.counts == {"skip": 3} and resumed.first_critical == ("skip", 5)

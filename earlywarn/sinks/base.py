@@ -224,6 +224,13 @@ def shorten(text: str, limit: int) -> str:
     return cut.rstrip(" ,;:.-") + "..."
 
 
+def alert_line(event: Event, limit: int = 500) -> str:
+    """``earlywarn <level>: <kind> in <layer> @ step <n>: <message>``, cut at a word boundary
+    (never mid-word, unlike a title cut to a fixed width)."""
+    where = f" in {event.layer}" if event.layer else ""
+    return shorten(f"earlywarn {event.level}: {event.kind}{where} @ step {event.step}: {event.message}", limit)
+
+
 def status_name(level: Level) -> str:
     """``ok`` / ``info`` / ``warning`` / ``critical``: the worst level as trackers show it."""
     return "ok" if level == Level.NONE else str(level)
