@@ -625,8 +625,8 @@ class Watcher:
 
     def _log_metrics(self, step: int, obs: Observation | None) -> None:
         level = self._step_levels.take()
-        if not self.sinks:
-            return
+        if not any(_takes_metrics(sink) for sink in self.sinks):
+            return  # no sink does anything with metrics (console only, say): build nothing
         # Built on first read, so tracker sinks build it on their own thread, not this one.
         metrics = StepMetrics(
             step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
@@ -689,6 +689,15 @@ def _safe(sink: Sink, method: str, *args: Any) -> None:
         getattr(sink, method)(*args)
     except Exception as exc:  # a tracker must never kill training
         warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {_redact(sink, exc)}")
+
+
+def _takes_metrics(sink: Sink) -> bool:
+    """Whether ``sink`` does anything with ``log_metrics`` (a background sink knows about its
+    inner one; a sink that keeps the base class's no-op takes none)."""
+    takes = getattr(sink, "takes_metrics", None)
+    if takes is not None:
+        return bool(takes)
+    return getattr(type(sink), "log_metrics", None) is not Sink.log_metrics
 
 
 def _redact(sink: Sink, exc: BaseException) -> str:

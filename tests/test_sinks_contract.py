@@ -175,3 +175,47 @@ def test_tag_text_is_cut_at_a_word_and_the_tally_keeps_the_worst():
     resumed.restore_tags({"earlywarn.status": "warning", "earlywarn.count.skip": "3",
                           "earlywarn.first_critical_kind": "skip", "earlywarn.first_critical_step": "5"}, "earlywarn.")
     assert resumed.worst == Level.WARNING and resumed.counts == {"skip": 3} and resumed.first_critical == ("skip", 5)
+
+
+def test_no_metrics_are_built_when_no_sink_takes_them(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import earlywarn
+    import earlywarn.guard as guard
+    from fixtures_models import MLP
+
+    built = []
+    real = guard.StepMetrics
+    monkeypatch.setattr(guard, "StepMetrics", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+
+    class EventsOnly(Sink):
+        name = "events-only"
+
+        def __init__(self):
+            self.events = []
+
+        def alert(self, event):
+            self.events.append(event)
+
+    class Rows(EventsOnly):
+        name = "rows"
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def log_metrics(self, step, metrics):
+            self.rows.append((step, dict(metrics)))
+
+    for sinks, expect_rows in (([EventsOnly()], False), ([EventsOnly(), Rows()], True)):
+        built.clear()
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ew = earlywarn.watch(model, opt, sinks=sinks)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+        ew.close()
+        assert (built == [0, 1, 2]) is expect_rows
+        if expect_rows:
+            assert [s for s, _ in sinks[1].rows] == [0, 1, 2] and "earlywarn/grad_norm" in sinks[1].rows[0][1]

@@ -186,8 +186,9 @@ class BackgroundSink(Sink):
         self.on_status = on_status
         self._redact: Callable[[str], str] = getattr(inner, "redact", None) or str
         # A sink that does nothing with metrics (a webhook) gets none buffered for it.
-        self.takes_metrics = not (type(inner).log_metrics is Sink.log_metrics
-                                   and type(inner).log_metrics_batch is Sink.log_metrics_batch)
+        takes = getattr(inner, "takes_metrics", None)
+        self.takes_metrics = bool(takes) if takes is not None else not (
+            type(inner).log_metrics is Sink.log_metrics and type(inner).log_metrics_batch is Sink.log_metrics_batch)
 
         self._cond = threading.Condition(threading.Lock())
         # (step, metrics, unix time, values counted). The training thread appends without the lock

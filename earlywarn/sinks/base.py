@@ -50,6 +50,9 @@ class Sink:
     """True for sinks that talk to a tracker or the network: ``build_sinks`` runs them on a
     background thread (:class:`earlywarn.sinks.background.BackgroundSink`) so the training thread
     never waits on them."""
+    takes_metrics: bool | None = None
+    """Whether this sink does anything with ``log_metrics``; ``None``: it does when it overrides
+    ``log_metrics`` or ``log_metrics_batch``. When no sink takes metrics the watcher builds none."""
     batch_interval: float = 0.0
     """Background sinks: seconds the worker may collect metric steps before one delivery (0:
     deliver as soon as a step arrives). Events never wait."""
@@ -66,7 +69,10 @@ class Sink:
         """Open files / runs / connections. Safe to call twice."""
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record flat scalar metrics (keys already carry the ``earlywarn/`` prefix)."""
+        """Record flat scalar metrics (keys already carry the ``earlywarn/`` prefix), once at the
+        end of every optimizer step. ``metrics`` is read-only and may build its values on first
+        read (:class:`earlywarn.metrics.StepMetrics`); ``dict(metrics)`` copies it. A sink that
+        keeps this no-op costs nothing: when no sink overrides it, the watcher builds nothing."""
 
     def log_metrics_batch(self, records: Sequence[tuple[int, Mapping[str, float], float]]) -> None:
         """Record several steps at once: ``(step, metrics, unix_time)`` tuples, oldest first.
