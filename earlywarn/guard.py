@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
+import time
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ from earlywarn.capture.hostread import LateReader, SyncReader
 from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
 from earlywarn.events import Event, Kind, Level
-from earlywarn.metrics import MetricsConfig, build_metrics
+from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
 from earlywarn.recover._state import fence_copies
@@ -231,6 +233,7 @@ class Watcher:
             "steps": 0, "skipped_steps": 0, "repaired_steps": 0, "rewinds": 0, "checkpoints": 0,
             "nonfinite_steps": 0, "alerts_info": 0, "alerts_warning": 0, "alerts_critical": 0,
         }
+        self._step_levels = StepLevels()  # alert_level of the row being built (see _emit, _log_metrics)
         self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
         self._loss: torch.Tensor | None = None  # sum of the losses reported since the last step
         self._loss_count = 0
@@ -382,13 +385,20 @@ class Watcher:
         self.policy.load_state_dict(state["policy"])
         self.recovery.load_state_dict(state["recovery"])
 
-    def flush(self) -> None:
-        """Process a step still in flight (async mode) and push buffered sink data out."""
+    def flush(self, timeout: float = 10.0) -> None:
+        """Process a step still in flight (async mode) and push buffered sink data out, waiting
+        at most ``timeout`` seconds for all sinks together (a tracker that is down answers at
+        once; its records stay buffered)."""
         for vec, tag in self._reader.drain():
             self._process(vec, tag)
         self.recovery.settle()  # a snapshot still being copied / confirmed
+        levels = self._step_levels
+        if levels.halted and levels.step is not None:
+            # A halted step never reached _log_metrics: its row (level, counters) is logged here.
+            self._log_metrics(levels.step, None)
+        deadline = time.monotonic() + timeout
         for sink in self.sinks:
-            sink.flush(timeout=10.0)
+            _safe(sink, "flush", max(deadline - time.monotonic(), 0.0))
 
     def detach(self) -> None:
         """Restore the optimizer (and scaler) exactly as they were. Safe to call twice."""
@@ -426,11 +436,14 @@ class Watcher:
         try:
             self.detach()
         finally:
+            for sink in self.sinks:  # all at once: two trackers that are down cost one wait, not two
+                if hasattr(sink, "begin_finish"):
+                    _safe(sink, "begin_finish")
             for sink in self.sinks:
                 try:
                     sink.finish()
                 except Exception as exc:  # a tracker must never kill training
-                    warnings.warn(f"earlywarn: sink {sink.name!r} failed to finish: {exc}")
+                    warnings.warn(f"earlywarn: sink {sink.name!r} failed to finish: {_redact(sink, exc)}")
 
     def __enter__(self) -> "Watcher":
         return self
@@ -740,12 +753,9 @@ class Watcher:
                             "The instability keeps coming back: lower the learning rate or inspect the quarantined "
                             f"batches in {self.recovery.quarantine_path}, then resume from the last clean checkpoint.")
         if Action.CHECKPOINT in actions and Action.REWIND not in actions:
-            # Before this step's update is applied: the run is still clean now.
-            path = self.recovery.checkpoint(tag.step, reason="warning")
-            if path:
-                self.counters["checkpoints"] += 1
-                for sink in self.sinks:
-                    _safe(sink, "checkpoint", tag.step, path, "warning")
+            # Before this step's update is applied: the run is still clean now. Its CHECKPOINT
+            # event (counted and sent to the sinks in _emit) comes from recovery.
+            self.recovery.checkpoint(tag.step, reason="warning")
         return decision
 
     def _after_step(self, tag: _Tag, decision: "_Decision") -> None:
@@ -925,15 +935,26 @@ class Watcher:
         if event.kind in (Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
                           Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW):
             self.counters[f"alerts_{event.level}"] = self.counters.get(f"alerts_{event.level}", 0) + 1
+        if event.kind is Kind.CHECKPOINT:  # periodic and on-warning alike: every checkpoint counts
+            self.counters["checkpoints"] += 1
+        # The step's alert_level is the worst of its events, whatever a rewind restores later.
+        self._step_levels.note(event.kind, event.level, event.step)
         for sink in self.sinks:
             _safe(sink, "alert", event)
+        if event.kind is Kind.CHECKPOINT:
+            path = _checkpoint_path(event)
+            for sink in self.sinks:
+                _safe(sink, "checkpoint", event.step, path, event.signal or "checkpoint")
 
-    def _log_metrics(self, step: int, obs: Observation) -> None:
-        if not self.sinks:
-            return
-        metrics = build_metrics(
-            step, grad_norm=obs.grad_norm, loss=obs.loss, layer_names=self.layer_names,
-            layer_norms=obs.layer_norms, score=self.detector.score, level=int(self.detector.level),
+    def _log_metrics(self, step: int, obs: Observation | None) -> None:
+        level = self._step_levels.take()
+        if not any(_takes_metrics(sink) for sink in self.sinks):
+            return  # no sink does anything with metrics (console only, say): build nothing
+        # Built on first read, so tracker sinks build it on their own thread, not this one.
+        metrics = StepMetrics(
+            step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
+            layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
+            score=None if obs is None else self.detector.score, level=level,
             counters=self.counters, config=self.metrics_config,
         )
         for sink in self.sinks:
@@ -1105,7 +1126,31 @@ def _safe(sink: Sink, method: str, *args: Any) -> None:
     try:
         getattr(sink, method)(*args)
     except Exception as exc:  # a tracker must never kill training
-        warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {exc}")
+        warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {_redact(sink, exc)}")
+
+
+def _takes_metrics(sink: Sink) -> bool:
+    """Whether ``sink`` does anything with ``log_metrics`` (a background sink knows about its
+    inner one; a sink that keeps the base class's no-op takes none)."""
+    takes = getattr(sink, "takes_metrics", None)
+    if takes is not None:
+        return bool(takes)
+    return getattr(type(sink), "log_metrics", None) is not Sink.log_metrics
+
+
+def _redact(sink: Sink, exc: BaseException) -> str:
+    """The error's text with the sink's credentials masked (URI user info, webhook tokens)."""
+    return getattr(sink, "redact", str)(str(exc))
+
+
+def _checkpoint_path(event: Event) -> str:
+    """Where a CHECKPOINT event's checkpoint is: recovery ends the message with ``-> <path>``;
+    an in-memory snapshot is ``memory:<step it holds>``."""
+    head, sep, path = event.message.rpartition(" -> ")
+    if sep:
+        return path
+    held = re.search(r"after step (\d+)", event.message)
+    return f"memory:{held.group(1) if held else event.step}"
 
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(WatchConfig))

@@ -6,34 +6,84 @@ detector know into a ``dict[str, float]`` that every sink can log as-is.
 =====================================  =========================================================
 key                                    meaning
 =====================================  =========================================================
-``earlywarn/grad_norm``                global L2 norm of the unscaled gradient (NaN/Inf kept)
+``earlywarn/grad_norm``                global L2 norm of the unscaled gradient (NaN/Inf kept;
+                                       see docs/trackers.md for what each tracker stores)
+``earlywarn/grad_norm_finite``         1 when the gradient norm is finite, 0 when NaN/Inf
 ``earlywarn/loss``                     training loss seen by the guard
+``earlywarn/loss_finite``              1 when the loss is finite, 0 when NaN/Inf
 ``earlywarn/instability_score``        detector score (0 = calm; grows with the evidence)
-``earlywarn/alert_level``              worst alert level this step: 0 none, 1 info, 2 warning,
-                                       3 critical
+``earlywarn/alert_level``              worst level of the step's alerts and incidents (detector
+                                       alerts, skip, repair, rewind, quarantine, halt): 0 none,
+                                       1 info, 2 warning, 3 critical
 ``earlywarn/skipped_steps``            optimizer steps skipped so far (cumulative)
-``earlywarn/repaired_steps``           steps whose gradient was repaired so far (cumulative)
+``earlywarn/repaired_steps``           repairs of poisoned optimizer state so far (cumulative)
 ``earlywarn/rewinds``                  rewinds to a snapshot so far (cumulative)
-``earlywarn/checkpoints``              checkpoints written by earlywarn so far (cumulative)
+``earlywarn/checkpoints``              checkpoints written by earlywarn so far, periodic ones
+                                       included (cumulative)
 ``earlywarn/nonfinite_layers``         layers whose gradient norm is NaN/Inf this step
 ``earlywarn/layer_grad_norm/<layer>``  per-layer gradient norm, every ``layer_every`` steps (all
                                        layers, or the ``layer_top_k`` largest), on alert steps,
                                        and always for non-finite layers
 =====================================  =========================================================
+
+Any other counter the guard keeps (``nonfinite_steps``, ``alerts_<level>``) is logged under its
+own name.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 COUNTERS = ("skipped_steps", "repaired_steps", "rewinds", "checkpoints")
 """Cumulative counters always logged (0 until something happens), so alert rules have a series."""
+
+_NOT_LOGGED = frozenset({"steps"})  # the step itself is the x-axis of every series
+
+INCIDENT_KINDS = frozenset({
+    "nonfinite_grad", "grad_spike", "collapse_risk", "loss_nonfinite", "loss_diverged", "scaler_overflow",
+    "skip", "repair", "rewind", "quarantine", "halt",
+})
+"""Event kinds that count toward ``alert_level``: detector alerts and the actions they caused.
+Checkpoint, resume and sink-status records do not (they are bookkeeping, not alerts)."""
+
+
+class StepLevels:
+    """The worst level of the incidents since the last logged row: ``alert_level`` of that row.
+
+    The watcher notes every event as it is emitted and takes the level when it logs a step's
+    row, so the level is the step's own (a rewind that restores the detector cannot reset it).
+    An incident emitted after its step's row was logged (the end-of-step scan of recovery) is
+    carried into the next row rather than lost. ``halted`` marks a step whose row was never
+    logged because a ``Halt`` ended it; ``flush`` logs that row.
+    """
+
+    __slots__ = ("level", "step", "halted")
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.step: int | None = None
+        self.halted = False
+
+    def note(self, kind: Any, level: int, step: int) -> None:
+        if str(kind) not in INCIDENT_KINDS:
+            return
+        if int(level) > self.level:
+            self.level = int(level)
+        self.step = step if self.step is None else max(self.step, step)
+        if str(kind) == "halt":
+            self.halted = True
+
+    def take(self) -> int:
+        """The level for the row being logged now; resets for the next row."""
+        level, self.level, self.step, self.halted = self.level, 0, None, False
+        return level
 
 # MLflow accepts alphanumerics, "_", "-", ".", " ", ":" and "/" in metric names (and W&B accepts
 # the same). Everything else becomes "_"; "." path components and "//" are refused by MLflow too.
@@ -127,6 +177,11 @@ def _num(x: float | None) -> float | None:
     return None if x is None else float(x)
 
 
+@lru_cache(maxsize=256)
+def _counter_key(prefix: str, name: str) -> str:
+    return sanitize_key(prefix + name)
+
+
 def build_metrics(
     step: int,
     *,
@@ -150,16 +205,18 @@ def build_metrics(
     out: dict[str, float] = {}
     if (v := _num(grad_norm)) is not None:
         out[p + "grad_norm"] = v
+        out[p + "grad_norm_finite"] = 1.0 if math.isfinite(v) else 0.0
     if (v := _num(loss)) is not None:
         out[p + "loss"] = v
+        out[p + "loss_finite"] = 1.0 if math.isfinite(v) else 0.0
     if (v := _num(score)) is not None:
         out[p + "instability_score"] = v
     out[p + "alert_level"] = float(int(level))
     for name in COUNTERS:
         out[p + name] = float(counters.get(name, 0))
     for name, value in counters.items():
-        if name not in COUNTERS:
-            out[sanitize_key(p + name)] = float(value)
+        if name not in COUNTERS and name not in _NOT_LOGGED:
+            out[_counter_key(p, name)] = float(value)
 
     if layer_norms is not None:
         norms = np.asarray(layer_norms, dtype=np.float64).reshape(-1)
@@ -168,10 +225,14 @@ def build_metrics(
             raise ValueError(
                 f"build_metrics: {len(names)} layer_names for {norms.size} layer_norms; pass one name per layer"
             )
-        out[p + "nonfinite_layers"] = float(np.count_nonzero(~np.isfinite(norms)))
+        # One sum tells a finite step (the common case) without per-element work.
+        all_finite = math.isfinite(float(norms.sum()))
+        out[p + "nonfinite_layers"] = 0.0 if all_finite else float(np.count_nonzero(~np.isfinite(norms)))
         layer_step = (cfg.layer_every > 0 and step % cfg.layer_every == 0) or (
             cfg.layer_on_alert and int(level) >= 2
         )
+        if not layer_step and all_finite:
+            return out
         idx = _select_layers(norms, layer_step, cfg.layer_top_k)
         if idx.size:
             keys = _layer_keys(p, names)
@@ -185,3 +246,60 @@ def build_metrics(
 
 
 _DEFAULT_CONFIG = MetricsConfig()
+
+
+class StepMetrics(Mapping[str, float]):
+    """One step's metrics, built on first use: what the watcher hands to every sink.
+
+    The training thread only keeps the step's inputs (the counters copied, the per-layer norms by
+    reference: a fresh array every step); :func:`build_metrics` runs when a sink first reads a
+    key, which for tracker sinks is on their background thread. A sink that ignores metrics
+    costs nothing. Reads like the ``dict`` :func:`build_metrics` returns (``dict(m)`` copies it).
+    """
+
+    __slots__ = ("step", "_args", "_built")
+
+    def __init__(self, step: int, *, grad_norm: float | None, loss: float | None, layer_names: Sequence[str] | None,
+                 layer_norms: np.ndarray | None, score: float | None, level: int, counters: Mapping[str, int],
+                 config: MetricsConfig | None = None):
+        self.step = int(step)
+        self._args = (grad_norm, loss, layer_names, layer_norms, score, int(level), dict(counters),
+                      config or _DEFAULT_CONFIG)
+        self._built: dict[str, float] | None = None
+
+    def _dict(self) -> dict[str, float]:
+        built = self._built
+        if built is None:
+            grad_norm, loss, names, norms, score, level, counters, cfg = self._args
+            built = self._built = build_metrics(self.step, grad_norm=grad_norm, loss=loss, layer_names=names,
+                                                layer_norms=norms, score=score, level=level, counters=counters,
+                                                config=cfg)
+        return built
+
+    def approx_len(self) -> int:
+        """About how many values this step holds, without building it (buffer accounting: the
+        same answer before and after it was built)."""
+        grad_norm, loss, names, norms, score, level, counters, cfg = self._args
+        n = 1 + len(COUNTERS) + len(counters) + 2 * (grad_norm is not None) + 2 * (loss is not None) + (score is not None)
+        if norms is not None:
+            layer_step = (cfg.layer_every > 0 and self.step % cfg.layer_every == 0) or (cfg.layer_on_alert and level >= 2)
+            size = int(np.size(norms))
+            n += 1 + (min(size, cfg.layer_top_k or size) if layer_step else 0)
+        return n
+
+    def __getitem__(self, key: str) -> float:
+        return self._dict()[key]
+
+    def __iter__(self):
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __repr__(self) -> str:
+        return f"StepMetrics(step={self.step}, {self._dict()!r})"
+
+
+def metrics_size(metrics: Mapping[str, float]) -> int:
+    """Values in ``metrics`` (estimated, without building, for a :class:`StepMetrics`)."""
+    return metrics.approx_len() if isinstance(metrics, StepMetrics) else len(metrics)

@@ -51,6 +51,7 @@ class EarlywarnTrainerCallback(TrainerCallback):
             raise RuntimeError("EarlywarnTrainerCallback needs the Trainer's model and optimizer at on_train_begin")
         options = dict(self.options)
         options.setdefault("scheduler", lr_scheduler)
+        _name_mlflow_run(options, getattr(args, "run_name", None))
         self.watcher = watch_accelerated(None, model, optimizer, **options)
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
 
@@ -87,3 +88,18 @@ class EarlywarnTrainerCallback(TrainerCallback):
         if self.watcher is not None:
             self.watcher.close()
         self._share, self._loss_sum, self._loss_count = None, None, 0
+
+
+def _name_mlflow_run(options: dict[str, Any], run_name: str | None) -> None:
+    """The Trainer's ``run_name`` names earlywarn's MLflow run too. Without one, the sink's own
+    default is unique per run (``set_seed`` fixes Python's ``random``, so MLflow's random names
+    would repeat from one Trainer run to the next)."""
+    from earlywarn.sinks.defaults import default_sink_specs
+
+    specs = options.get("sinks")
+    names = [s if isinstance(s, str) else getattr(s, "name", None) for s in (default_sink_specs() if specs is None else specs)]
+    if not run_name or "mlflow" not in names:
+        return
+    sink_options = {k: dict(v) for k, v in (options.get("sink_options") or {}).items()}
+    sink_options.setdefault("mlflow", {}).setdefault("run_name", run_name)
+    options["sink_options"] = sink_options

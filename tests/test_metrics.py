@@ -25,7 +25,8 @@ def call(step, norms=None, names=None, level=0, counters=None, config=None, **kw
 def test_aggregate_keys_every_step():
     m = call(3, counters={"skipped_steps": 2, "rewinds": 1})
     assert m == {
-        "earlywarn/grad_norm": 1.5, "earlywarn/loss": 2.5, "earlywarn/instability_score": 0.25,
+        "earlywarn/grad_norm": 1.5, "earlywarn/grad_norm_finite": 1.0, "earlywarn/loss": 2.5,
+        "earlywarn/loss_finite": 1.0, "earlywarn/instability_score": 0.25,
         "earlywarn/alert_level": 0.0, "earlywarn/skipped_steps": 2.0, "earlywarn/repaired_steps": 0.0,
         "earlywarn/rewinds": 1.0, "earlywarn/checkpoints": 0.0,
     }
@@ -110,3 +111,27 @@ def test_mismatched_names_and_bad_config_are_clear_errors():
     with pytest.raises(ValueError, match="prefix"):
         MetricsConfig(prefix="earlywarn")
     assert "ew/grad_norm" in call(0, config=MetricsConfig(prefix="ew/"))
+
+
+def test_finite_flags_and_the_step_counter_is_not_a_metric():
+    m = call(4, grad_norm=float("inf"), loss=float("nan"), counters={"steps": 5, "alerts_critical": 2})
+    assert m["earlywarn/grad_norm_finite"] == 0.0 and m["earlywarn/loss_finite"] == 0.0
+    assert "earlywarn/steps" not in m and m["earlywarn/alerts_critical"] == 2.0
+    assert "earlywarn/grad_norm_finite" not in call(4, grad_norm=None)
+
+
+def test_step_levels_are_the_worst_incident_since_the_last_row():
+    from earlywarn.events import Kind, Level
+    from earlywarn.metrics import StepLevels
+
+    lv = StepLevels()
+    assert lv.take() == 0
+    lv.note(Kind.GRAD_SPIKE, Level.INFO, 5)
+    lv.note(Kind.REWIND, Level.CRITICAL, 5)
+    lv.note(Kind.QUARANTINE, Level.WARNING, 5)
+    lv.note(Kind.CHECKPOINT, Level.INFO, 5)  # bookkeeping, not an alert
+    assert lv.take() == 3 and lv.take() == 0
+    lv.note(Kind.CHECKPOINT, Level.INFO, 6)
+    assert lv.take() == 0
+    lv.note(Kind.HALT, Level.CRITICAL, 7)
+    assert lv.halted and lv.step == 7 and lv.take() == 3 and not lv.halted

@@ -52,7 +52,8 @@ def sink_options(request, tmp_path, webhook_url):
     name = request.node.callspec.params["name"]
     if name == "mlflow":
         pytest.importorskip("mlflow")
-        opts["mlflow"] = {"tracking_uri": request.getfixturevalue("mlflow_sqlite_uri"), "experiment": "contract"}
+        opts["mlflow"] = {"tracking_uri": request.getfixturevalue("mlflow_sqlite_uri"), "experiment": "contract",
+                          "start_timeout": 60}  # the writer process may take seconds to start on a busy host
     if name == "wandb":
         pytest.importorskip("wandb")
         request.getfixturevalue("wandb_env")
@@ -86,7 +87,9 @@ def test_every_registered_sink_runs_on_the_background_thread(name, sink_options)
     sink = BackgroundSink(make_sink(name, sink_options), exit_on_sigterm=False)
     exercise(sink)
     st = sink.stats()
-    assert st["delivered_records"] == 3 and st["delivered_events"] == 2 and st["rejected"] == 0
+    # a sink that does nothing with metrics (it overrides neither log_metrics method) gets none
+    assert st["delivered_records"] == (3 if sink.takes_metrics else 0)
+    assert st["delivered_events"] == 2 and st["rejected"] == 0
 
 
 class CsvSink(Sink):
@@ -152,3 +155,67 @@ def test_importing_sinks_and_integrations_pulls_in_no_sdk():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_tag_text_is_cut_at_a_word_and_the_tally_keeps_the_worst():
+    from earlywarn.sinks.base import EventTally, alert_line, shorten
+
+    assert shorten("one two three four", 12) == "one two..."
+    assert shorten("abcdefghijklmnop", 8) == "abcde..."  # one word longer than the limit: cut, marked
+    long = Event(step=7, kind=Kind.GRAD_SPIKE, level=Level.INFO, message="word " * 200, layers=("l0",))
+    line = alert_line(long, 100)
+    assert len(line) <= 100 and line.endswith("word...") and line.startswith("earlywarn info: grad_spike in l0 @ step 7:")
+    t = EventTally()
+    t.update(Event(step=20, kind=Kind.NONFINITE_GRAD, level=Level.CRITICAL, message="x"))
+    t.update(Event(step=30, kind=Kind.CHECKPOINT, level=Level.INFO, message="x"))
+    changed = t.update(Event(step=40, kind=Kind.GRAD_SPIKE, level=Level.INFO, message="x"))
+    assert changed == {"kinds": "checkpoint,grad_spike,nonfinite_grad", "count.grad_spike": 1}  # the worst stays
+    assert t.as_dict()["status"] == "critical" and t.first_critical == t.last_critical == ("nonfinite_grad", 20)
+    resumed = EventTally()
+    resumed.restore_tags({"earlywarn.status": "warning", "earlywarn.count.skip": "3",
+                          "earlywarn.first_critical_kind": "skip", "earlywarn.first_critical_step": "5"}, "earlywarn.")
+    assert resumed.worst == Level.WARNING and resumed.counts == {"skip": 3} and resumed.first_critical == ("skip", 5)
+
+
+def test_no_metrics_are_built_when_no_sink_takes_them(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import earlywarn
+    import earlywarn.guard as guard
+    from fixtures_models import MLP
+
+    built = []
+    real = guard.StepMetrics
+    monkeypatch.setattr(guard, "StepMetrics", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+
+    class EventsOnly(Sink):
+        name = "events-only"
+
+        def __init__(self):
+            self.events = []
+
+        def alert(self, event):
+            self.events.append(event)
+
+    class Rows(EventsOnly):
+        name = "rows"
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def log_metrics(self, step, metrics):
+            self.rows.append((step, dict(metrics)))
+
+    for sinks, expect_rows in (([EventsOnly()], False), ([EventsOnly(), Rows()], True)):
+        built.clear()
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ew = earlywarn.watch(model, opt, sinks=sinks)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+        ew.close()
+        assert (built == [0, 1, 2]) is expect_rows
+        if expect_rows:
+            assert [s for s, _ in sinks[1].rows] == [0, 1, 2] and "earlywarn/grad_norm" in sinks[1].rows[0][1]

@@ -121,12 +121,17 @@ def test_the_memory_budget_sizes_the_ring_and_is_reported_once(tmp_path):
 
 
 def test_a_budget_too_small_for_one_snapshot_turns_them_off_and_says_so(tmp_path):
+    from earlywarn.sinks.console import ConsoleSink
+
     model, opt = _model_opt()
-    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(
-        snapshot_memory="1kB", quarantine_path=str(tmp_path / "q.jsonl")))
-    (plan,) = [e for e in ew.events if e.kind is Kind.CHECKPOINT]
-    assert plan.level is Level.WARNING and "in-memory snapshots are OFF" in plan.message
-    assert "raise snapshot_memory or set checkpoint_dir" in plan.message and ew.recovery.ring is None
+    out = io.StringIO()
+    with pytest.warns(RuntimeWarning, match="in-memory snapshots are OFF"):
+        ew = earlywarn.watch(model, opt, sinks=[ConsoleSink(stream=out)], recovery=RecoveryConfig(
+            snapshot_memory="1kB", quarantine_path=str(tmp_path / "q.jsonl")))
+    (plan,) = out.getvalue().splitlines()
+    assert plan.startswith("[earlywarn] in-memory snapshots are OFF: one takes ~")
+    assert "raise snapshot_memory or set checkpoint_dir" in plan and ew.recovery.ring is None
+    assert not [e for e in ew.events if e.kind is Kind.CHECKPOINT] and ew.counters["checkpoints"] == 0
     ew.close()
 
 

@@ -182,3 +182,40 @@ def test_sigterm_keeps_the_tail_of_an_offline_run(tmp_path):
     assert [a["title"] for a in r.alerts] == ["earlywarn critical: loss_diverged"]  # the tail made it
     assert r.series("earlywarn/grad_norm", "earlywarn/step")[0] == list(range(301))
     assert r.exit_code == 143
+
+
+def test_what_wandb_stores_for_non_finite_values(wandb_env):
+    sink = WandbSink(project="earlywarn-test")
+    sink.start()
+    for step, g in enumerate([1.0, float("nan"), float("inf"), float("-inf")]):
+        sink.log_metrics(step, build_metrics(step, grad_norm=g, loss=1.0, layer_names=None, layer_norms=None,
+                                             score=0.0, level=0, counters={}))
+    run = sink.run
+    sink.finish()
+    r = read_offline_run(run_folder(run))
+    _, values = r.series("earlywarn/grad_norm", "earlywarn/step")
+    assert values[0] == 1.0 and np.isnan(values[1]) and values[2] == float("inf") and values[3] == float("-inf")
+    assert r.series("earlywarn/grad_norm_finite", "earlywarn/step")[1] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_carry_keeps_the_worst_and_the_latest():
+    from earlywarn.integrations.wandb_sink import carry
+
+    row: dict = {}
+    carry(row, {"earlywarn/alert_level": 3.0, "earlywarn/grad_norm": float("nan"), "earlywarn/grad_norm_finite": 0.0,
+                "earlywarn/skipped_steps": 1.0, "earlywarn/loss": 2.0})
+    carry(row, {"earlywarn/alert_level": 0.0, "earlywarn/grad_norm": 5.0, "earlywarn/grad_norm_finite": 1.0,
+                "earlywarn/skipped_steps": 1.0, "earlywarn/loss": 1.5, "earlywarn/instability_score": 0.2})
+    assert row["earlywarn/alert_level"] == 3.0 and np.isnan(row["earlywarn/grad_norm"])
+    assert row["earlywarn/grad_norm_finite"] == 0.0 and row["earlywarn/loss"] == 1.5
+    assert row["earlywarn/skipped_steps"] == 1.0 and row["earlywarn/instability_score"] == 0.2
+
+
+def test_halted_owned_run_exits_with_code_1(wandb_env):
+    sink = WandbSink(project="earlywarn-test")
+    sink.start()
+    sink.alert(Event(step=3, kind=Kind.HALT, level=Level.CRITICAL, message="policy halted the run"))
+    run = sink.run
+    sink.finish()
+    r = read_offline_run(run_folder(run))
+    assert r.exit_code == 1 and r.summary["earlywarn/status"] == "critical" and r.summary["earlywarn/count/halt"] == 1

@@ -25,8 +25,8 @@ step is ``s + 1`` again (the watcher's ``step`` goes back with it). Durations ("
 from __future__ import annotations
 
 import json
-import math
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +183,7 @@ class Recovery:
         self._provisional: _Provisional | None = None  # the snapshot being copied / confirmed
         self._spare: Any = None  # host buffers of the last evicted snapshot, for the next copy
         self._measured = False
+        self._note: Callable[[str], None] | None = None  # the console's, for the plan and its revisions
         self.snapshot_plan = None
         if self.ring is not None:
             self.snapshot_plan = plan_snapshots(cfg, model, optimizer)
@@ -201,21 +202,17 @@ class Recovery:
         return self.snapshot_plan.message
 
     def report_plan(self, step: int = 0, *, write: Callable[[str], None] | None = None) -> None:
-        """Say the snapshot plan once (the watcher does, when its sinks exist): a plan that is
-        fine is a note (``write``, the console's; nothing without one); one that is short of
-        memory is a warning event every sink gets."""
-        plan = self.snapshot_plan
-        level = Level.INFO if plan is None else plan.level
-        if level < Level.WARNING:
-            if write is not None:
-                write(f"[earlywarn] {self.plan}")
-            return
-        values = {"snapshots": 0.0}
-        if plan is not None:
-            values = {"snapshot_bytes": float(plan.size), "snapshots": float(plan.clean + plan.unclean),
-                      "budget_bytes": math.nan if plan.budget is None else float(plan.budget)}
-        self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=level, message=self.plan, signal="snapshot_plan",
-                        values=values))
+        """Say the snapshot plan once (the watcher does, when its sinks exist): a note on the
+        console (``write``, the console sink's; nothing without one) and, when it is short of
+        memory, a Python warning too. Not an event: it is no checkpoint, and no incident."""
+        self._note = write
+        self._say(self.plan, self.snapshot_plan is not None and self.snapshot_plan.level >= Level.WARNING)
+
+    def _say(self, text: str, warn: bool) -> None:
+        if self._note is not None:
+            self._note(f"[earlywarn] {text}")
+        if warn:
+            warnings.warn(f"earlywarn: {text}", RuntimeWarning, stacklevel=3)
 
     def _check_budget(self, snap: Snapshot, step: int) -> None:
         """The first snapshot measures what the estimate guessed; shrink the ring if it must."""
@@ -225,8 +222,7 @@ class Recovery:
         note = self.snapshot_plan.refit(snap.nbytes)
         if note is not None:
             self.ring.set_capacity(self.snapshot_plan.clean, self.snapshot_plan.unclean)
-            self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.WARNING, signal="snapshot_plan", message=note,
-                            values={"snapshot_bytes": float(snap.nbytes), "budget_bytes": float(self.snapshot_plan.budget or 0)}))
+            self._say(note, True)
 
     # -- per step ------------------------------------------------------------------------------
     def _clean(self, step: int, clean: bool) -> bool:

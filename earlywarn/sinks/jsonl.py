@@ -25,6 +25,10 @@ class JsonlSink(Sink):
         self.metrics = metrics
         self._fh: IO[str] | None = None
 
+    @property
+    def takes_metrics(self) -> bool:  # with metrics=False (the default) the watcher builds none for it
+        return self.metrics
+
     def start(self) -> None:
         if self._fh is None:
             parent = os.path.dirname(os.path.abspath(self.path))
