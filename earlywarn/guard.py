@@ -244,6 +244,9 @@ class Watcher:
         self._rewind_callbacks: list[Callable[[Any], None]] = []
         self._input_hook: Any = None
         self._elevated = False  # the latest step judged had a gradient signal elevated (a spike)
+        # Events and metrics go out on the run's own clock, which never goes back: a rewind sets
+        # the training step back (ew.step), not the step trackers and logs count (log = step + offset).
+        self._log_offset = 0
         self._scaler_observed: tuple[bool] | None = None
         self._deferring = False
         self._recorded: PendingStep | None = None
@@ -311,7 +314,9 @@ class Watcher:
         skipped ones included. A rewind sets it back to the restored snapshot's step + 1, so a
         loop that computes its schedule from it follows the model (nanoGPT:
         ``iter_num = ew.step`` at the top of the loop). In async mode the steps still in flight
-        at a rewind are undone with it (never judged nor logged)."""
+        at a rewind are undone with it (never judged nor logged). Events and tracker metrics
+        keep the run's own clock, which never goes back: after a rewind from step 152 to the
+        snapshot of step 125, ``step`` is 126 and the next metrics are logged at 153."""
         return self._step
 
     def on_rewind(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -847,12 +852,15 @@ class Watcher:
             self._halt(tag, str(exc), cause=exc)
         self.counters["rewinds"] += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self._step = report.resume_step  # the loop's schedule can follow (ew.step)
+        self._log_metrics(tag.step, decision.obs)
+        # the training step goes back (the loop's schedule can follow: ew.step); the run's clock
+        # for events and metrics goes on from the incident's
+        self._log_offset += tag.step + 1 - report.resume_step
+        self._step = report.resume_step
         self.counters["steps"] = self._step
         # the restored state is clean: what comes next is judged afresh (a recurrence is the
         # recovery's to diagnose); snapshots stay at the faster cadence for a while (_alert_step)
         self._incident_onset = self._incident_step = self._unclean_step = None
-        self._log_metrics(tag.step, decision.obs)
         for callback in self._rewind_callbacks:
             callback(report)
 
@@ -931,6 +939,8 @@ class Watcher:
         return [self.layer_names[i] for i in idx]
 
     def _emit(self, event: Event) -> None:
+        if self._log_offset and event.step >= 0:
+            event = dataclasses.replace(event, step=event.step + self._log_offset)
         self.events.append(event)
         if event.kind in (Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
                           Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW):
@@ -947,6 +957,7 @@ class Watcher:
                 _safe(sink, "checkpoint", event.step, path, event.signal or "checkpoint")
 
     def _log_metrics(self, step: int, obs: Observation | None) -> None:
+        step += self._log_offset  # the run's clock (see _log_offset)
         level = self._step_levels.take()
         if not any(_takes_metrics(sink) for sink in self.sinks):
             return  # no sink does anything with metrics (console only, say): build nothing
@@ -1041,13 +1052,14 @@ class _Counters:
         self._w = watcher
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._w._step, "counters": dict(self._w.counters)}
+        return {"step": self._w._step, "counters": dict(self._w.counters), "log_offset": self._w._log_offset}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # Only a resume loads this (rewinds keep the live counters: keep_on_rewind). The step never
         # goes back: trackers drop rows whose step is lower than one already logged.
         self._w.counters.update(state["counters"])
         self._w._step = max(self._w._step, int(state["step"]))
+        self._w._log_offset = max(self._w._log_offset, int(state.get("log_offset", 0)))
         self._w.counters["steps"] = self._w._step
 
 

@@ -270,10 +270,11 @@ class Policy:
 
     def withdraw_rewind(self) -> None:
         """The guard resolved this step's rewind without rewinding (poisoned optimizer state
-        repaired in place): it does not count toward the cooldown, the limit or the streak reset."""
+        repaired in place): it does not count toward the cooldown or the limit. The non-finite
+        streak still starts over: the repair acted on what made the steps non-finite."""
         if self._undo is None:
             return
-        self.last_rewind, self.nonfinite_streak = self._undo
+        self.last_rewind = self._undo[0]
         if self.rewinds and self.rewinds[-1] == self.tick:
             self.rewinds.pop()
         self._undo = None

@@ -744,7 +744,7 @@ class Recovery:
         msg = (f"{reason}: rewound to the {kind_txt} state of step {t_step} ({source}), "
                f"{lost} step{'s' if lost != 1 else ''} lost" + (f" ({why})" if why else "")
                + f"; {len(records)} batch{'es' if len(records) != 1 else ''} never trained again: {_ranges(records)}"
-               + f"; {rng_txt}")
+               + f"; {rng_txt}; training goes on at step {t_step + 1}")
         if diagnosis is not None:
             msg += (f". {diagnosis} Going on at {ep.lr_factor:g}x the learning rate for {cfg.recurrence_lr_steps} "
                     f"steps (on_recurrence='lower_lr'), rewind {ep.rewinds}/{cfg.max_rewinds} of this episode")
