@@ -101,6 +101,9 @@ class BenchRun:
     extras: dict[str, np.ndarray] = field(default_factory=dict)
     baseline: dict | None = None
     bad_steps: tuple[int, ...] = ()  # corpus: the steps fed a bad batch
+    hazards: tuple[tuple[int, int], ...] = ()
+    """Corpus: row ranges ``[a, b)`` from an injected hazard (an LR pulse, a re-warm above the old
+    peak, a bad batch) to ``HORIZON`` rows after it ended (see :func:`hazard_windows`)."""
     ended_early: bool = True
     collapse: int | None = None
     scored: bool = False
@@ -150,6 +153,25 @@ def label(steps: np.ndarray, loss: np.ndarray, ended_early: bool = True, window:
     return None
 
 
+def hazard_windows(spec, n: int) -> tuple[tuple[int, int], ...]:
+    """Where a run was handed a hazard on purpose: from its first step to ``HORIZON`` steps after
+    its last. An LR pulse (x > 1) from its first step; a re-warm-up from the first step above the
+    old peak to the step it reaches its new top; each bad batch. Read from the run's recipe, not
+    from anything a detector sees."""
+    from corpus import lr_at
+
+    out = []
+    if spec.pulse_at >= 0 and spec.pulse_mult > 1.0:
+        out.append((spec.pulse_at, spec.pulse_at + spec.pulse_len + HORIZON))
+    if spec.rewarm_at >= 0 and spec.rewarm_mult > 1.0:
+        above = [t for t in range(spec.rewarm_at, spec.steps) if lr_at(spec, t) > spec.lr * (1 + 1e-9)]
+        if above:
+            out.append((above[0], spec.rewarm_at + spec.rewarm_len + HORIZON))
+    for b in spec.bad_steps:
+        out.append((b, b + 1 + HORIZON))
+    return tuple((a, min(b, n)) for a, b in out if a < n)
+
+
 def corpus_runs() -> list[BenchRun]:
     from corpus import load_corpus
 
@@ -163,7 +185,8 @@ def corpus_runs() -> list[BenchRun]:
         b = BenchRun(r.name, r.spec.family, "corpus", steps, np.asarray(c["loss"], dtype=np.float64),
                      np.asarray(c["grad_norm"], dtype=np.float64), np.asarray(c["layer_norms"], dtype=np.float64),
                      np.asarray(c["layer_nonfinite"], dtype=np.float64), r.layer_names_tuple, ex,
-                     bad_steps=tuple(r.spec.bad_steps), ended_early=len(steps) < r.spec.steps)
+                     bad_steps=tuple(r.spec.bad_steps), hazards=hazard_windows(r.spec, len(steps)),
+                     ended_early=len(steps) < r.spec.steps)
         b.collapse = label(steps, b.loss, b.ended_early)
         b.scored = b.collapse is not None and b.collapse >= MIN_HISTORY
         runs.append(b)
@@ -277,12 +300,17 @@ class Score:
     healthy_runs: int = 0
     healthy_alarmed: int = 0
     healthy_run_criticals: int = 0  # criticals on runs that never collapse
+    instant_events: int = 0  # collapses at a bad batch's own step (see instant())
+    instant_detected: int = 0
+    hazard_runs: int = 0  # hazard reading: runs that survived a hazard handed to them
+    hazard_warned: int = 0  # ... and had an alarm inside its window
     per_event: dict[str, int | None] = field(default_factory=dict)
     fa_runs: dict[str, int] = field(default_factory=dict)
 
     def __iadd__(self, o: "Score") -> "Score":
         for k in ("events", "detected", "false_alarms", "false_criticals", "healthy_steps", "healthy_runs",
-                  "healthy_alarmed", "healthy_run_criticals"):
+                  "healthy_alarmed", "healthy_run_criticals", "instant_events", "instant_detected",
+                  "hazard_runs", "hazard_warned"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.leads = self.leads + o.leads
         self.per_event = {**self.per_event, **o.per_event}
@@ -292,6 +320,12 @@ class Score:
     @property
     def recall(self) -> float:
         return self.detected / self.events if self.events else float("nan")
+
+    @property
+    def leadable_recall(self) -> float:
+        """Recall over the collapses that some signal precedes (instant ones left out)."""
+        n = self.events - self.instant_events
+        return (self.detected - self.instant_detected) / n if n else float("nan")
 
     @property
     def median_lead(self) -> float:
@@ -326,7 +360,14 @@ def _onsets(steps: np.ndarray, rows: list[int], end: int) -> int:
     return n
 
 
-def score_run(run: BenchRun, al: Alarms) -> Score:
+READINGS = ("strict", "hazard")
+"""What counts as a healthy step for the false-alarm targets. ``strict``: every step of a run
+that did not collapse (and of a collapsed run, before its horizon). ``hazard``: the same, less the
+hazard windows of :func:`hazard_windows` (an alarm there warns of a hazard that was really
+handed to the run, whether or not the run survived it); criticals are counted strictly in both."""
+
+
+def score_run(run: BenchRun, al: Alarms, reading: str = "strict") -> Score:
     sc = Score()
     if not counted(run):
         return sc  # not scorable or a duplicate: listed, not counted
@@ -342,9 +383,23 @@ def score_run(run: BenchRun, al: Alarms) -> Score:
         sc.per_event[run.name] = lead
         if lead is not None:
             sc.detected, sc.leads = 1, [lead]
+        if instant(run):
+            sc.instant_events, sc.instant_detected = 1, sc.detected
         end = int(np.searchsorted(steps, steps[t] - HORIZON))
+    alarm = al.alarm
     sc.healthy_steps = end
-    sc.false_alarms = _onsets(steps, al.alarm, end)
+    if reading == "hazard" and run.hazards:
+        inside = np.zeros(len(steps), dtype=bool)
+        for a, b in run.hazards:
+            inside[a:b] = True
+        if run.collapse is None:
+            sc.hazard_runs = 1
+            sc.hazard_warned = int(any(inside[i] for i in alarm))
+        alarm = [i for i in alarm if not inside[i]]
+        sc.healthy_steps = end - int(inside[:end].sum())
+    elif reading not in READINGS:
+        raise ValueError(f"reading={reading!r}: use one of {READINGS}")
+    sc.false_alarms = _onsets(steps, alarm, end)
     sc.false_criticals = _onsets(steps, al.critical, end)
     if run.collapse is None:
         sc.healthy_alarmed = int(sc.false_alarms > 0)
@@ -354,11 +409,12 @@ def score_run(run: BenchRun, al: Alarms) -> Score:
     return sc
 
 
-def total(runs: list[BenchRun], results: dict[str, Alarms], keep: Callable[[BenchRun], bool] = lambda r: True) -> Score:
+def total(runs: list[BenchRun], results: dict[str, Alarms], keep: Callable[[BenchRun], bool] = lambda r: True,
+          reading: str = "strict") -> Score:
     sc = Score()
     for r in runs:
         if keep(r):
-            sc += score_run(r, results[r.name])
+            sc += score_run(r, results[r.name], reading)
     return sc
 
 
@@ -496,12 +552,15 @@ CANDIDATE_GRID: tuple[tuple[str, tuple], ...] = (
 def merit(sc: Score, real_ok: bool) -> tuple:
     """How a choice ranks settings (higher is better): the summed shortfalls against the targets,
     each in units of its own target (false alarms over 0.5 / 1k, healthy runs alarmed over 10%,
-    recall under 90%, median lead under 3; a false critical or a failed llm.c / BLOOM check
-    rules a setting out), then recall, lead, fewer false alarms."""
+    recall of the leadable collapses under 90%, median lead under 3; a false critical or a
+    failed llm.c / BLOOM check rules a setting out), then recall, lead, fewer false alarms.
+    Recall is taken over the collapses some signal precedes: instant ones (a bad batch's own
+    step) count against every setting alike and would only push the choice toward alarms."""
     lead = sc.median_lead if sc.leads else 0.0
+    rec = sc.leadable_recall
     viol = (max(0.0, sc.fa_rate - TARGETS["fa_per_1k"]) / TARGETS["fa_per_1k"]
             + max(0.0, sc.alarmed_share - TARGETS["healthy_alarmed"]) / TARGETS["healthy_alarmed"]
-            + (max(0.0, TARGETS["recall"] - sc.recall) / (1.0 - TARGETS["recall"]) if sc.events else 0.0)
+            + (max(0.0, TARGETS["recall"] - rec) / (1.0 - TARGETS["recall"]) if rec == rec else 0.0)
             + (max(0.0, TARGETS["median_lead"] - lead) / TARGETS["median_lead"] if sc.events else 0.0)
             + 10.0 * (sc.false_criticals > 0) + 10.0 * (not real_ok))
     return (-viol, round(sc.recall, 6), lead, -sc.fa_rate)
@@ -534,11 +593,19 @@ def tuning_families(runs: list[BenchRun]) -> list[str]:
     return fams
 
 
-def lofo(runs: list[BenchRun], ev: list[Evaluated]) -> tuple[dict[str, tuple[str, Score]], Score]:
-    """For each tuning family: the setting chosen on the others, and its score on that family."""
+def lofo(runs: list[BenchRun], ev: list[Evaluated], reading: str = "strict",
+         score_reading: str | None = None) -> tuple[dict[str, tuple[str, Score]], Score]:
+    """For each tuning family: the setting chosen on the others (by ``reading``), and its score on
+    that family (by ``score_reading``, the same unless given)."""
     fams = tuning_families(runs)
-    per: dict[str, dict[str, Score]] = {e.name: {f: total(runs, e.results, lambda r, f=f: r.source == "corpus"
-                                                       and r.family == f) for f in fams} for e in ev}
+    score_reading = score_reading or reading
+
+    def per_family(rd: str) -> dict[str, dict[str, Score]]:
+        return {e.name: {f: total(runs, e.results, lambda r, f=f: r.source == "corpus" and r.family == f, rd)
+                         for f in fams} for e in ev}
+
+    per = per_family(reading)
+    shown = per if score_reading == reading else per_family(score_reading)
     folds: dict[str, tuple[str, Score]] = {}
     pooled = Score()
     for f in fams:
@@ -551,17 +618,17 @@ def lofo(runs: list[BenchRun], ev: list[Evaluated]) -> tuple[dict[str, tuple[str
             m = merit(sc, e.real_ok)
             if best is None or m > best[0]:
                 best = (m, e.name)
-        folds[f] = (best[1], per[best[1]][f])
-        pooled += per[best[1]][f]
+        folds[f] = (best[1], shown[best[1]][f])
+        pooled += shown[best[1]][f]
     return folds, pooled
 
 
-def choose(runs: list[BenchRun], ev: list[Evaluated]) -> Evaluated:
+def choose(runs: list[BenchRun], ev: list[Evaluated], reading: str = "strict") -> Evaluated:
     """The procedure applied to every tuning family (what the defaults are checked against)."""
     fams = set(tuning_families(runs))
     best = None
     for e in ev:
-        sc = total(runs, e.results, lambda r: r.source == "corpus" and r.family in fams)
+        sc = total(runs, e.results, lambda r: r.source == "corpus" and r.family in fams, reading)
         m = merit(sc, e.real_ok)
         if best is None or m > best[0]:
             best = (m, e)

@@ -110,6 +110,9 @@ class DetectorConfig:
     leave-one-family-out procedure of ``benchmarks/detection.py`` (candidates 3-8), which weighs
     the shortfalls against every target on the families it was not tuned on."""
 
+    rise_drift_h: float = 5.0
+    """EXPERIMENT: the together threshold while the LR is at a new high (rising)."""
+
     drift_alone_h: float = float("inf")
     """One run-level signal (the grad norm, or the loss) whose CUSUM (``drift_k``) reaches this
     makes a ``warning`` on its own: sustained growth (40: about thirteen consecutive steps at
@@ -207,7 +210,7 @@ class DetectorConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 bad(name, "use a finite number > 0")
-        for name in ("drift_h", "drift_alone_h", "update_alone_h", "loss_only_h"):
+        for name in ("drift_h", "rise_drift_h", "drift_alone_h", "update_alone_h", "loss_only_h"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0) or math.isnan(v):
                 bad(name, "use a number > 0 (inf turns the rule off)")

@@ -280,6 +280,7 @@ class Detector:
         self._consts: dict[int, _Consts] = {}
         self._kd, self._tk, self._spike_z = float(c.drift_k), float(c.together_k), float(c.spike_z)
         self._drift_h, self._alone_h = float(c.drift_h), float(c.drift_alone_h)
+        self._rise_h = float(c.rise_drift_h)
         # each step's evidence is winsorised at admit_z, as values entering a baseline are
         self._tcap = self._A = float(c.admit_z)
         self._alone_u = float(c.update_alone_h) if c.update_warns else math.inf
@@ -288,7 +289,7 @@ class Detector:
         self._lr_ready = max(int(c.warmup_steps), self._lr_k)  # LR values seen before the rule may fire
         self._calm_consts = (self._kd, self._spike_z, self._A, self._tcap, self._tk, self._drift_h,
                              self._alone_h, self._log_div, self._div_z, self._alone_u, bool(c.update_warns),
-                             self._lr_jump, self._lr_k, self._lr_ready, self._loss_only_h)
+                             self._lr_jump, self._lr_k, self._lr_ready, self._loss_only_h, self._rise_h)
         self._force_full = False  # tests: run every step through the general path
 
     def _k(self, n: int) -> _Consts:
@@ -650,7 +651,7 @@ class Detector:
         row, the offline replay with a chunk: one sequence of operations per step for both.
         ``lrs[r]`` is row ``r``'s learning rate (finite, >= 0) when the pattern has one."""
         dev, adev, bb, n, k, mu, wd, fixed = w.dev, w.adev, w.bb, w.n, w.k, w.mu, w.wd, w.fixed
-        kd, S, A, tcap, tk, dh, h, ldiv, dz, hu, t_upd, lrj, lrk, lr_ready, hlo = self._calm_consts
+        kd, S, A, tcap, tk, dh0, h, ldiv, dz, hu, t_upd, lrj, lrk, lr_ready, hlo, dhr = self._calm_consts
         h1 = h if pattern & 5 else hlo  # the loss alone: loss_only_h when no gradient is logged
         c0, c1, c2, c3 = w.cus
         joint = w.joint
@@ -701,6 +702,11 @@ class Detector:
                     n3 = n3 + (zp if zp < S else S) - kd
                     if n3 < 0.0:
                         n3 = 0.0
+            dh = dh0
+            if lrs is not None and ln_ >= lrk:
+                lr = lrs[r]
+                if lr > ring[lpos] and lr >= lref:  # the LR at a new high (see _general)
+                    dh = dhr
             nj = joint
             if zl is not None and zgl is not None:
                 m = zgl if zgl < zl else zl
@@ -850,6 +856,13 @@ class Detector:
             w.S2 *= M2
             w.S2 += P2
 
+        # -- the LR at a new high: above the LR lr_ref_steps back and the highest before it --------
+        rising = False
+        if pattern & 32 and w.lr_n >= self._lr_k:
+            lr_now = float(obs.extras["lr"])
+            if 0.0 <= lr_now < math.inf:
+                rising = lr_now > w.lr_ring[w.lr_pos] and lr_now >= w.lr_ref
+
         # -- run-level CUSUMs and the together evidence (frozen on skipped steps) -------------
         cus = list(w.cus)
         joint = w.joint
@@ -975,7 +988,8 @@ class Detector:
             elif dev_g[peak] > w.ep_peak_dev:
                 w.ep_peak_step, w.ep_peak_chan, w.ep_peak_dev = step, peak, float(dev_g[peak])
         if since >= cfg.rearm_steps and not skipped:
-            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump, m_now > 0.0)
+            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump, m_now > 0.0,
+                               self._rise_h if rising else self._drift_h)
             if ev is not None:
                 alerts.append(ev)
                 since = 0
@@ -1066,19 +1080,19 @@ class Detector:
         return tuple(out[: self.cfg.max_layers_listed])
 
     def _warning(self, obs, w: _Work, elev, dev, z, x, y, cus, joint, prev4,
-                 k: _Consts, pattern: int, lr_jump, rising_now: bool) -> Event | None:
+                 k: _Consts, pattern: int, lr_jump, rising_now: bool, drift_h: float) -> Event | None:
         """A COLLAPSE_RISK event if a warning rule holds at this step, else None."""
         cfg = self.cfg
         hl = self._alone_h if pattern & 5 else self._loss_only_h
         h_of = {GRAD: self._alone_h, LOSS: hl, UPDATE: self._alone_u, PARAM: self._alone_u}
         alone = [c for c in (GRAD, UPDATE, LOSS, PARAM) if cus[c] >= h_of[c]]
-        if not (joint >= cfg.drift_h or alone or _cnz(elev) or lr_jump):
+        if not (joint >= drift_h or alone or _cnz(elev) or lr_jump):
             return None
         streak, grow = w.streak, w.grow
         fx = k.warns  # per-layer signals never warn on their own
         esc = fx & elev & (grow >= cfg.escalate_steps) & (dev >= k.lwarn)
         jump = fx & elev & k.gradlike & (dev >= self._log_jump)
-        together = joint >= cfg.drift_h and rising_now  # not on the step the values came back
+        together = joint >= drift_h and rising_now  # not on the step the values came back
         n_hot_layers = 0
         multi = False
         if w.nl and cfg.layers_at_once:
