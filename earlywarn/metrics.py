@@ -19,6 +19,8 @@ key                                    meaning
 ``earlywarn/layer_grad_norm/<layer>``  per-layer gradient norm, every ``layer_every`` steps (all
                                        layers, or the ``layer_top_k`` largest), on alert steps,
                                        and always for non-finite layers
+``earlywarn/user/<name>``              a scalar of the user's own (``Watcher.report``), at the
+                                       steps it was reported
 =====================================  =========================================================
 """
 
@@ -138,6 +140,7 @@ def build_metrics(
     level: int,
     counters: Mapping[str, int],
     config: MetricsConfig | None = None,
+    user: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """One step's flat metrics (see the module docstring for the keys).
 
@@ -160,6 +163,8 @@ def build_metrics(
     for name, value in counters.items():
         if name not in COUNTERS:
             out[sanitize_key(p + name)] = float(value)
+    for name, value in (user or {}).items():  # the user's own signals (Watcher.report)
+        out[sanitize_key(f"{p}user/{name}")] = float(value)
 
     if layer_norms is not None:
         norms = np.asarray(layer_norms, dtype=np.float64).reshape(-1)
