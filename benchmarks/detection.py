@@ -26,6 +26,12 @@ Scoring
   (no alarm in the 10 steps before) per 1,000 healthy steps. *Healthy runs alarmed*: the share of
   healthy runs with any alarm. *False criticals* (earlywarn's ``critical`` alerts on healthy
   steps: what triggers rewinds) are counted separately; the target is 0.
+  Two readings of "healthy" (``READINGS``), both printed: *strict* (every step above) and
+  *hazard* (less the window after a hazard handed to the run on purpose: an LR pulse, a re-warm
+  past the old peak, a bad batch; alarms there are counted apart). Recall is printed over all
+  scored collapses and over the *leadable* ones (less the collapses at a bad batch's own step,
+  which no signal precedes). The choice of defaults reads the targets in ``CHOICE_READING`` with
+  the leadable recall.
 
 Sections
 - per-signal lead (item 1 of issue 14): each candidate signal alone, as a trailing-median z-score
