@@ -26,6 +26,12 @@ Scoring
   (no alarm in the 10 steps before) per 1,000 healthy steps. *Healthy runs alarmed*: the share of
   healthy runs with any alarm. *False criticals* (earlywarn's ``critical`` alerts on healthy
   steps: what triggers rewinds) are counted separately; the target is 0.
+  Two readings of "healthy" (``READINGS``), both printed: *strict* (every step above) and
+  *hazard* (less the window after a hazard handed to the run on purpose: an LR pulse, a re-warm
+  past the old peak, a bad batch; alarms there are counted apart). Recall is printed over all
+  scored collapses and over the *leadable* ones (less the collapses at a bad batch's own step,
+  which no signal precedes). The choice of defaults reads the targets in ``CHOICE_READING`` with
+  the leadable recall.
 
 Sections
 - per-signal lead (item 1 of issue 14): each candidate signal alone, as a trailing-median z-score
@@ -101,6 +107,9 @@ class BenchRun:
     extras: dict[str, np.ndarray] = field(default_factory=dict)
     baseline: dict | None = None
     bad_steps: tuple[int, ...] = ()  # corpus: the steps fed a bad batch
+    hazards: tuple[tuple[int, int], ...] = ()
+    """Corpus: row ranges ``[a, b)`` from an injected hazard (an LR pulse, a re-warm above the old
+    peak, a bad batch) to ``HORIZON`` rows after it ended (see :func:`hazard_windows`)."""
     ended_early: bool = True
     collapse: int | None = None
     scored: bool = False
@@ -150,6 +159,25 @@ def label(steps: np.ndarray, loss: np.ndarray, ended_early: bool = True, window:
     return None
 
 
+def hazard_windows(spec, n: int) -> tuple[tuple[int, int], ...]:
+    """Where a run was handed a hazard on purpose: from its first step to ``HORIZON`` steps after
+    its last. An LR pulse (x > 1) from its first step; a re-warm-up from the first step above the
+    old peak to the step it reaches its new top; each bad batch. Read from the run's recipe, not
+    from anything a detector sees."""
+    from corpus import lr_at
+
+    out = []
+    if spec.pulse_at >= 0 and spec.pulse_mult > 1.0:
+        out.append((spec.pulse_at, spec.pulse_at + spec.pulse_len + HORIZON))
+    if spec.rewarm_at >= 0 and spec.rewarm_mult > 1.0:
+        above = [t for t in range(spec.rewarm_at, spec.steps) if lr_at(spec, t) > spec.lr * (1 + 1e-9)]
+        if above:
+            out.append((above[0], spec.rewarm_at + spec.rewarm_len + HORIZON))
+    for b in spec.bad_steps:
+        out.append((b, b + 1 + HORIZON))
+    return tuple((a, min(b, n)) for a, b in out if a < n)
+
+
 def corpus_runs() -> list[BenchRun]:
     from corpus import load_corpus
 
@@ -163,7 +191,8 @@ def corpus_runs() -> list[BenchRun]:
         b = BenchRun(r.name, r.spec.family, "corpus", steps, np.asarray(c["loss"], dtype=np.float64),
                      np.asarray(c["grad_norm"], dtype=np.float64), np.asarray(c["layer_norms"], dtype=np.float64),
                      np.asarray(c["layer_nonfinite"], dtype=np.float64), r.layer_names_tuple, ex,
-                     bad_steps=tuple(r.spec.bad_steps), ended_early=len(steps) < r.spec.steps)
+                     bad_steps=tuple(r.spec.bad_steps), hazards=hazard_windows(r.spec, len(steps)),
+                     ended_early=len(steps) < r.spec.steps)
         b.collapse = label(steps, b.loss, b.ended_early)
         b.scored = b.collapse is not None and b.collapse >= MIN_HISTORY
         runs.append(b)
@@ -266,27 +295,48 @@ def peer_alarms(run: BenchRun, make: Callable[[BenchRun], object]) -> Alarms:
 # scores
 
 
+READINGS = ("hazard", "strict")
+"""What counts as a healthy step for the false-alarm targets. ``strict``: every step of a run
+that did not collapse (and of a collapsed run, before its horizon). ``hazard``: the same, less the
+hazard windows of :func:`hazard_windows`: an alarm there warns of a hazard that was really handed
+to the run (an LR pulse, a re-warm past the old peak, a bad batch), whether or not the run
+survived it, so it is counted apart (``hazard_warned``), not as a false alarm. Criticals are
+counted strictly in both. The targets are read in ``CHOICE_READING``; every table prints both."""
+
+CHOICE_READING = "hazard"
+
+
 @dataclass
 class Score:
     events: int = 0
     detected: int = 0
     leads: list[int] = field(default_factory=list)
-    false_alarms: int = 0
-    false_criticals: int = 0
+    false_alarms: int = 0  # strict reading
     healthy_steps: int = 0
-    healthy_runs: int = 0
     healthy_alarmed: int = 0
+    hz_false_alarms: int = 0  # hazard reading
+    hz_healthy_steps: int = 0
+    hz_alarmed: int = 0
+    hazard_runs: int = 0  # runs that survived a hazard handed to them ...
+    hazard_warned: int = 0  # ... and had an alarm inside its window
+    false_criticals: int = 0
+    healthy_runs: int = 0
     healthy_run_criticals: int = 0  # criticals on runs that never collapse
+    instant_events: int = 0  # collapses at a bad batch's own step (see instant())
+    instant_detected: int = 0
     per_event: dict[str, int | None] = field(default_factory=dict)
-    fa_runs: dict[str, int] = field(default_factory=dict)
+    fa_runs: dict[str, int] = field(default_factory=dict)  # strict false alarms per run
+    hz_fa_runs: dict[str, int] = field(default_factory=dict)
 
     def __iadd__(self, o: "Score") -> "Score":
-        for k in ("events", "detected", "false_alarms", "false_criticals", "healthy_steps", "healthy_runs",
-                  "healthy_alarmed", "healthy_run_criticals"):
+        for k in ("events", "detected", "false_alarms", "healthy_steps", "healthy_alarmed", "hz_false_alarms",
+                  "hz_healthy_steps", "hz_alarmed", "hazard_runs", "hazard_warned", "false_criticals",
+                  "healthy_runs", "healthy_run_criticals", "instant_events", "instant_detected"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.leads = self.leads + o.leads
         self.per_event = {**self.per_event, **o.per_event}
         self.fa_runs = {**self.fa_runs, **o.fa_runs}
+        self.hz_fa_runs = {**self.hz_fa_runs, **o.hz_fa_runs}
         return self
 
     @property
@@ -294,24 +344,40 @@ class Score:
         return self.detected / self.events if self.events else float("nan")
 
     @property
+    def leadable_recall(self) -> float:
+        """Recall over the collapses some signal can precede (instant ones left out)."""
+        n = self.events - self.instant_events
+        return (self.detected - self.instant_detected) / n if n else float("nan")
+
+    @property
     def median_lead(self) -> float:
         return float(np.median(self.leads)) if self.leads else float("nan")
 
+    def fa(self, reading: str = "strict") -> float:
+        n, steps = ((self.false_alarms, self.healthy_steps) if reading == "strict" else
+                    (self.hz_false_alarms, self.hz_healthy_steps))
+        return 1e3 * n / steps if steps else float("nan")
+
+    def alarmed(self, reading: str = "strict") -> float:
+        n = self.healthy_alarmed if reading == "strict" else self.hz_alarmed
+        return n / self.healthy_runs if self.healthy_runs else 0.0
+
     @property
     def fa_rate(self) -> float:
-        return 1e3 * self.false_alarms / self.healthy_steps if self.healthy_steps else float("nan")
+        return self.fa("strict")
+
+    @property
+    def alarmed_share(self) -> float:
+        return self.alarmed("strict")
 
     @property
     def crit_rate(self) -> float:
         return 1e3 * self.false_criticals / self.healthy_steps if self.healthy_steps else float("nan")
 
-    @property
-    def alarmed_share(self) -> float:
-        return self.healthy_alarmed / self.healthy_runs if self.healthy_runs else 0.0
-
-    def meets(self) -> bool:
-        return (self.recall >= TARGETS["recall"] and self.median_lead >= TARGETS["median_lead"]
-                and self.fa_rate <= TARGETS["fa_per_1k"] and self.alarmed_share <= TARGETS["healthy_alarmed"]
+    def meets(self, reading: str = CHOICE_READING, leadable: bool = True) -> bool:
+        rec = self.leadable_recall if leadable else self.recall
+        return (rec >= TARGETS["recall"] and self.median_lead >= TARGETS["median_lead"]
+                and self.fa(reading) <= TARGETS["fa_per_1k"] and self.alarmed(reading) <= TARGETS["healthy_alarmed"]
                 and self.false_criticals == 0)
 
 
@@ -342,15 +408,29 @@ def score_run(run: BenchRun, al: Alarms) -> Score:
         sc.per_event[run.name] = lead
         if lead is not None:
             sc.detected, sc.leads = 1, [lead]
+        if instant(run):
+            sc.instant_events, sc.instant_detected = 1, sc.detected
         end = int(np.searchsorted(steps, steps[t] - HORIZON))
-    sc.healthy_steps = end
-    sc.false_alarms = _onsets(steps, al.alarm, end)
+    sc.healthy_steps = sc.hz_healthy_steps = end
+    sc.false_alarms = sc.hz_false_alarms = _onsets(steps, al.alarm, end)
+    if run.hazards:
+        inside = np.zeros(len(steps), dtype=bool)
+        for a, b in run.hazards:
+            inside[a:b] = True
+        if run.collapse is None:
+            sc.hazard_runs = 1
+            sc.hazard_warned = int(any(inside[i] for i in al.alarm))
+        sc.hz_false_alarms = _onsets(steps, [i for i in al.alarm if not inside[i]], end)
+        sc.hz_healthy_steps = end - int(inside[:end].sum())
     sc.false_criticals = _onsets(steps, al.critical, end)
     if run.collapse is None:
         sc.healthy_alarmed = int(sc.false_alarms > 0)
+        sc.hz_alarmed = int(sc.hz_false_alarms > 0)
         sc.healthy_run_criticals = sc.false_criticals
     if sc.false_alarms:
         sc.fa_runs[run.name] = sc.false_alarms
+    if sc.hz_false_alarms:
+        sc.hz_fa_runs[run.name] = sc.hz_false_alarms
     return sc
 
 
@@ -482,29 +562,36 @@ def candidates(base: DetectorConfig | None = None) -> dict[str, DetectorConfig]:
 
 
 CANDIDATE_GRID: tuple[tuple[str, tuple], ...] = (
-    ("drift_h", (3.0, 4.0, 6.0, 8.0)),
-    ("together_k", (0.25, 0.75)),
+    ("drift_h", (4.0, 6.0, 8.0, 10.0, 12.0)),
+    ("lr_rise_factor", (0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0)),
+    ("together_k", (0.25, 0.5, 0.75, 1.0)),
     ("update_warns", (True,)),
     ("drift_alone_h", (20.0, 40.0)),
-    ("lr_jump_ratio", (3.0, 5.0, 30.0, float("inf"))),
+    ("lr_jump_ratio", (3.0, 5.0, 10.0, 30.0, float("inf"))),
     ("loss_diverge_steps", (4, 8)),
-    ("loss_min_scale", (0.05, 0.1)),
+    ("loss_min_scale", (0.05, 0.07, 0.1)),
 )
 """One knob at a time away from the defaults: the candidate settings of every choice."""
 
 
-def merit(sc: Score, real_ok: bool) -> tuple:
+def merit(sc: Score, real_ok: bool, reading: str = CHOICE_READING) -> tuple:
     """How a choice ranks settings (higher is better): the summed shortfalls against the targets,
     each in units of its own target (false alarms over 0.5 / 1k, healthy runs alarmed over 10%,
-    recall under 90%, median lead under 3; a false critical or a failed llm.c / BLOOM check
-    rules a setting out), then recall, lead, fewer false alarms."""
+    recall of the leadable collapses under 90%, median lead under 3; a false critical or a
+    failed llm.c / BLOOM check rules a setting out); then recall, fewer false alarms (in the
+    reading the choice is made by, then counted strictly: every alarm of a run that did not
+    collapse), then lead. Recall is taken over the collapses some signal precedes: instant ones
+    (a bad batch's own step) count against every setting alike and would only push the choice
+    toward alarms."""
     lead = sc.median_lead if sc.leads else 0.0
-    viol = (max(0.0, sc.fa_rate - TARGETS["fa_per_1k"]) / TARGETS["fa_per_1k"]
-            + max(0.0, sc.alarmed_share - TARGETS["healthy_alarmed"]) / TARGETS["healthy_alarmed"]
-            + (max(0.0, TARGETS["recall"] - sc.recall) / (1.0 - TARGETS["recall"]) if sc.events else 0.0)
+    rec = sc.leadable_recall
+    fa, alarmed = sc.fa(reading), sc.alarmed(reading)
+    viol = (max(0.0, fa - TARGETS["fa_per_1k"]) / TARGETS["fa_per_1k"]
+            + max(0.0, alarmed - TARGETS["healthy_alarmed"]) / TARGETS["healthy_alarmed"]
+            + (max(0.0, TARGETS["recall"] - rec) / (1.0 - TARGETS["recall"]) if rec == rec else 0.0)
             + (max(0.0, TARGETS["median_lead"] - lead) / TARGETS["median_lead"] if sc.events else 0.0)
             + 10.0 * (sc.false_criticals > 0) + 10.0 * (not real_ok))
-    return (-viol, round(sc.recall, 6), lead, -sc.fa_rate)
+    return (-viol, round(rec, 6) if rec == rec else 0.0, -round(fa, 6), -round(sc.fa("strict"), 6), lead)
 
 
 @dataclass
@@ -534,11 +621,13 @@ def tuning_families(runs: list[BenchRun]) -> list[str]:
     return fams
 
 
-def lofo(runs: list[BenchRun], ev: list[Evaluated]) -> tuple[dict[str, tuple[str, Score]], Score]:
-    """For each tuning family: the setting chosen on the others, and its score on that family."""
+def lofo(runs: list[BenchRun], ev: list[Evaluated],
+         reading: str = CHOICE_READING) -> tuple[dict[str, tuple[str, Score]], Score]:
+    """For each tuning family: the setting chosen on the others (targets read in ``reading``),
+    and its score on that family."""
     fams = tuning_families(runs)
-    per: dict[str, dict[str, Score]] = {e.name: {f: total(runs, e.results, lambda r, f=f: r.source == "corpus"
-                                                       and r.family == f) for f in fams} for e in ev}
+    per = {e.name: {f: total(runs, e.results, lambda r, f=f: r.source == "corpus" and r.family == f)
+                    for f in fams} for e in ev}
     folds: dict[str, tuple[str, Score]] = {}
     pooled = Score()
     for f in fams:
@@ -548,7 +637,7 @@ def lofo(runs: list[BenchRun], ev: list[Evaluated]) -> tuple[dict[str, tuple[str
             for g in fams:
                 if g != f:
                     sc += per[e.name][g]
-            m = merit(sc, e.real_ok)
+            m = merit(sc, e.real_ok, reading)
             if best is None or m > best[0]:
                 best = (m, e.name)
         folds[f] = (best[1], per[best[1]][f])
@@ -556,38 +645,42 @@ def lofo(runs: list[BenchRun], ev: list[Evaluated]) -> tuple[dict[str, tuple[str
     return folds, pooled
 
 
-def choose(runs: list[BenchRun], ev: list[Evaluated]) -> Evaluated:
+def choose(runs: list[BenchRun], ev: list[Evaluated], reading: str = CHOICE_READING) -> Evaluated:
     """The procedure applied to every tuning family (what the defaults are checked against)."""
     fams = set(tuning_families(runs))
     best = None
     for e in ev:
         sc = total(runs, e.results, lambda r: r.source == "corpus" and r.family in fams)
-        m = merit(sc, e.real_ok)
+        m = merit(sc, e.real_ok, reading)
         if best is None or m > best[0]:
             best = (m, e)
     return best[1]
 
 
 LOSS_ONLY_GRID = (4.0, 6.0, 8.0, 10.0, 15.0, float("inf"))
+NO_LR_GRID = (0.2, 0.3, 0.4, 0.5, 0.625, 0.75, 1.0)
 
 FRONTIER: tuple[dict, ...] = (
-    {"together_k": 0.0, "drift_h": 1.0, "spike_z": 3.0, "admit_z": 3.0, "escalate_steps": 2},
-    {"together_k": 0.0, "drift_h": 1.0},
-    {"together_k": 0.1, "drift_h": 1.5},
-    {"together_k": 0.25, "drift_h": 1.0},
-    {"together_k": 0.15, "drift_h": 1.5},
-    {"together_k": 0.2, "drift_h": 1.25},
-    {"together_k": 0.25, "drift_h": 1.25},
-    {"together_k": 0.25, "drift_h": 1.5},
-    {"together_k": 0.25, "drift_h": 2.0},
-    {"together_k": 0.25, "drift_h": 3.0},
-    {"drift_h": 3.0},
+    {"together_k": 0.0, "drift_h": 1.0, "spike_z": 3.0, "admit_z": 3.0, "escalate_steps": 2, "lr_rise_factor": 1.0},
+    {"together_k": 0.0, "drift_h": 1.0, "lr_rise_factor": 1.0},
+    {"together_k": 0.1, "drift_h": 1.5, "lr_rise_factor": 1.0},
+    {"together_k": 0.15, "drift_h": 1.5, "lr_rise_factor": 1.0},
+    {"together_k": 0.25, "drift_h": 1.5, "lr_rise_factor": 1.0},
+    {"together_k": 0.25, "drift_h": 2.0, "lr_rise_factor": 1.0},
+    {"together_k": 0.5, "drift_h": 3.0, "lr_rise_factor": 0.5},
+    {"together_k": 0.5, "drift_h": 4.0, "lr_rise_factor": 0.5},
+    {"together_k": 0.5, "drift_h": 8.0},
     {"drift_h": 4.0},
-    {},
     {"drift_h": 6.0},
-    {"together_k": 0.75, "drift_h": 6.0},
-    {"drift_h": 8.0},
+    {"lr_rise_factor": 0.15},
+    {},
+    {"lr_rise_factor": 0.3},
     {"drift_h": 12.0},
+    {"together_k": 1.0},
+    {"drift_h": 16.0, "lr_rise_factor": 0.15},
+    {"lr_rise_factor": 0.5},
+    {"lr_rise_factor": 1.0},
+    {"drift_h": 16.0, "lr_rise_factor": 1.0},
     {"drift_h": float("inf")},
     {"drift_h": float("inf"), "lr_jump_ratio": float("inf")},
 )
@@ -617,14 +710,22 @@ def _lead(s: Score) -> str:
     return f"{s.median_lead:.1f}" if s.leads else "-"
 
 
-HEAD = (f"{'':28s} {'recall@lead>=1':>14s} {'median lead':>11s} {'FA/1k':>7s} {'crit/1k':>8s} "
-        f"{'healthy runs alarmed':>21s} {'events':>7s} {'healthy steps':>13s}")
+HEAD = (f"{'':28s} {'recall@lead>=1':>14s} {'leadable':>8s} {'lead':>5s} {'FA/1k hz':>8s} {'strict':>6s} "
+        f"{'crit/1k':>7s} {'alarmed hz':>14s} {'strict':>14s} {'events':>7s} {'steps':>6s}")
+"""Columns: recall at lead >= 1 over all scored collapses, and over the leadable ones (instant
+collapses left out); median lead; false alarms / 1k healthy steps in the hazard reading and
+strictly; false criticals / 1k healthy steps; healthy runs alarmed, hazard reading and strictly;
+collapses detected / scored; healthy steps (strict)."""
 
 
 def row(name: str, s: Score) -> str:
-    return (f"{name:28s} {s.recall:>14.1%} {_lead(s):>11s} {s.fa_rate:>7.2f} {s.crit_rate:>8.2f} "
-            f"{f'{s.healthy_alarmed}/{s.healthy_runs} ({s.alarmed_share:.0%})':>21s} "
-            f"{f'{s.detected}/{s.events}':>7s} {s.healthy_steps:>13d}")
+    def share(n: int) -> str:
+        return f"{n}/{s.healthy_runs} ({n / s.healthy_runs if s.healthy_runs else 0:.0%})"
+
+    lr = s.leadable_recall
+    return (f"{name:28s} {s.recall:>14.1%} {(f'{lr:.1%}' if lr == lr else '-'):>8s} {_lead(s):>5s} "
+            f"{s.fa('hazard'):>8.2f} {s.fa('strict'):>6.2f} {s.crit_rate:>7.2f} {share(s.hz_alarmed):>14s} "
+            f"{share(s.healthy_alarmed):>14s} {f'{s.detected}/{s.events}':>7s} {s.healthy_steps:>6d}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -652,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not a.no_signals:
         print("\nper-signal lead, each signal alone (trailing 50-step median / MAD z of its log; threshold: the "
-              "lowest on a ladder with <= 0.5 FA/1k on the tuning families):")
+              "lowest on a ladder with <= 0.5 FA/1k, strict reading, on the tuning families):")
         print("\n".join(signal_leads(runs)))
 
     # earlywarn defaults and the baselines, in sample (tuning families) and on the unseen family
@@ -666,10 +767,14 @@ def main(argv: list[str] | None = None) -> int:
             print(row(name, total(runs, res, keep)))
     ok, lines = real_checks(runs, ew)
     print("\n".join(lines))
-    n_inst = sum(instant(r) and counted(r) for r in corpus if in_tuning(r))
-    print(row("earlywarn, w/o instant", total(runs, ew, lambda r: in_tuning(r) and not instant(r)))
-          + f"   ({n_inst} collapses start at a bad batch's own step, where the loss itself is the "
-          "first sign: no detector can lead them; they stay in every other row)")
+    inst = [r for r in corpus if in_tuning(r) and instant(r) and counted(r)]
+    at_bad = sum(r.collapse in ew[r.name].alarm for r in inst)
+    print(f"instant collapses: {len(inst)} of the scored tuning collapses start at a bad batch's own step (its "
+          "loss is the first sign: no detector can lead them; 'leadable' leaves them out); earlywarn warns at "
+          f"that step itself on {at_bad}/{len(inst)} (the guard reads the step's gradient before its update)")
+    sc = total(runs, ew, in_tuning)
+    print(f"survived hazards: {sc.hazard_warned}/{sc.hazard_runs} runs that survived a hazard handed to them "
+          "were warned inside its window (not false alarms in the hazard reading; false in the strict one)")
     lo = {r.name: earlywarn_alarms(r, base, "loss") for r in runs if r.source == "real"}
     _, lines = real_checks([r for r in runs if r.source == "real"], lo)
     print("loss-only view of the real logs (the grad norm dropped): " + "; ".join(lines))
@@ -684,16 +789,20 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_lofo:
         cands = candidates(base)
         ev = evaluate(runs, cands, a.view)
-        folds, pooled = lofo(runs, ev)
+        folds, pooled = lofo(runs, ev, CHOICE_READING)
         print(f"\nthe candidate settings, in sample (tuning families):\n{HEAD}")
         for e in ev:
             print(row(e.name[:28], total(runs, e.results, in_tuning)) + ("" if e.real_ok else "  (llm.c/BLOOM FAIL)"))
         print(f"\nleave-one-family-out ({len(cands)} candidate settings; each family scored with the setting "
-              "chosen on all the others):")
+              f"chosen on all the others, targets read in the {CHOICE_READING} reading):")
         print(f"{'family (setting chosen)':28s}" + HEAD[28:])
         for f, (pick, sc) in folds.items():
             print(row(f"{f} ({pick})"[:28], sc))
         print(row("pooled (held-out families)", pooled))
+        other = "strict" if CHOICE_READING == "hazard" else "hazard"
+        ofolds, opooled = lofo(runs, ev, other)
+        print(row(f"pooled, chosen {other}", opooled) + "   (the same procedure, targets read "
+              f"{other}ly; picks: " + ", ".join(f"{f}: {p}" for f, (p, _) in ofolds.items()) + ")")
         chosen = choose(runs, ev)
         d = next(e for e in ev if e.name == "defaults")
         print(row("in sample, defaults", total(runs, d.results, in_tuning)))
@@ -701,8 +810,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({'= the defaults' if chosen.name == 'defaults' else 'NOT the defaults'}); "
               f"folds that picked the defaults: {sum(p == 'defaults' for p, _ in folds.values())}/{len(folds)}")
         print(row("unseen family, chosen", total(runs, chosen.results, unseen)))
-        print("targets (held-out): recall >= 90%, median lead >= 3, FA/1k <= 0.5, healthy runs alarmed <= 10%, "
-              f"false criticals 0: {'MET' if pooled.meets() else 'NOT MET'}")
+        print("targets (held-out, pooled): recall >= 90% at lead >= 1, median lead >= 3, FA/1k <= 0.5, healthy runs "
+              "alarmed <= 10%, false criticals 0:")
+        for rd in READINGS:
+            for lead_only in (True, False):
+                print(f"  {rd} reading, recall over {'leadable' if lead_only else 'all'} collapses: "
+                      f"{'MET' if pooled.meets(rd, lead_only) else 'NOT MET'}")
         # loss-only logs (item 4): the loss-alone threshold, chosen the same way in the loss view
         lc = {"defaults": base}
         for v in LOSS_ONLY_GRID:
@@ -717,6 +830,21 @@ def main(argv: list[str] | None = None) -> int:
         print(row("in sample, defaults", total(runs, next(e for e in lev if e.name == "defaults").results, in_tuning)))
         print(f"the procedure picks: {lch.name}; per fold: "
               + ", ".join(f"{f}: {p}" for f, (p, _) in lfolds.items()))
+        # logs without an LR (the grad+loss view): the together threshold there, chosen the same way
+        nc = {"defaults": base}
+        for v in NO_LR_GRID:
+            if v != base.no_lr_factor:
+                nc[f"no_lr_factor={v:g}"] = replace(base, no_lr_factor=v)
+        nev = evaluate(runs, nc, "grad+loss", real_view="grad+loss")
+        nfolds, npooled = lofo(runs, nev)
+        nch = choose(runs, nev)
+        print(f"\nlogs without an LR (grad+loss view), leave-one-family-out over no_lr_factor {NO_LR_GRID} (llm.c "
+              "without its LR column must stay quiet):")
+        print(row("pooled (held-out families)", npooled))
+        print(row("in sample, defaults", total(runs, next(e for e in nev if e.name == "defaults").results, in_tuning)))
+        print(row("unseen family, defaults", total(runs, next(e for e in nev if e.name == "defaults").results, unseen)))
+        print(f"the procedure picks: {nch.name}; per fold: "
+              + ", ".join(f"{f}: {p}" for f, (p, _) in nfolds.items()))
 
     # frontier and Pareto check
     print("\nearlywarn's trade-off (all corpus runs; settings as overrides of the defaults):")
@@ -725,27 +853,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'setting':28s}" + HEAD[28:] + "  llm.c/BLOOM")
     for name, sc, ok in pts:
         print(row(name[:28], sc) + f"  {'OK' if ok else 'FAILS'}")
-    print("\nPareto check: earlywarn's best frontier point at each baseline's own false-alarm rate (all corpus runs):")
-    print(f"{'baseline':20s} {'its recall':>10s} {'its lead':>9s} {'its FA/1k':>10s} | {'earlywarn point':>26s} "
-          f"{'recall':>7s} {'lead':>5s} {'FA/1k':>6s}  verdict")
-    for name, res in peers.items():
-        ps = total(runs, res, allc)
-        if ps.detected == 0:
-            print(f"{name:20s} {ps.recall:>10.1%} {'-':>9s} {ps.fa_rate:>10.2f} | detects nothing: not a false-alarm bound")
-            continue
-        ok_pts = [(n, s) for n, s, good in pts if s.fa_rate <= ps.fa_rate + 1e-12 and good]
-        if not ok_pts:
-            print(f"{name:20s} {ps.recall:>10.1%} {_lead(ps):>9s} {ps.fa_rate:>10.2f} | no earlywarn point at or "
-                  "below this rate: NOT DOMINATED")
-            continue
-        def dominates(s: Score) -> bool:
-            return s.recall >= ps.recall and (s.median_lead if s.leads else 0) >= (ps.median_lead if ps.leads else 0)
+    for rd in READINGS:
+        print(f"\nPareto check, {rd} reading: earlywarn's best frontier point at each baseline's own false-alarm "
+              "rate (all corpus runs):")
+        print(f"{'baseline':20s} {'its recall':>10s} {'its lead':>9s} {'its FA/1k':>10s} | {'earlywarn point':>26s} "
+              f"{'recall':>7s} {'lead':>5s} {'FA/1k':>6s}  verdict")
+        for name, res in peers.items():
+            ps = total(runs, res, allc)
+            if ps.detected == 0:
+                print(f"{name:20s} {ps.recall:>10.1%} {'-':>9s} {ps.fa(rd):>10.2f} | detects nothing: not a false-alarm "
+                      "bound")
+                continue
+            ok_pts = [(n, s) for n, s, good in pts if s.fa(rd) <= ps.fa(rd) + 1e-12 and good]
+            if not ok_pts:
+                print(f"{name:20s} {ps.recall:>10.1%} {_lead(ps):>9s} {ps.fa(rd):>10.2f} | no earlywarn point at or "
+                      "below this rate: NOT DOMINATED")
+                continue
 
-        dom_pts = [t for t in ok_pts if dominates(t[1])]
-        n, s = max(dom_pts or ok_pts, key=lambda t: (t[1].recall, t[1].median_lead if t[1].leads else 0))
-        dom = dominates(s)
-        print(f"{name:20s} {ps.recall:>10.1%} {_lead(ps):>9s} {ps.fa_rate:>10.2f} | {n[:26]:>26s} {s.recall:>7.1%} "
-              f"{_lead(s):>5s} {s.fa_rate:>6.2f}  {'dominates' if dom else 'DOES NOT DOMINATE'}")
+            def dominates(s: Score) -> bool:
+                return s.recall >= ps.recall and (s.median_lead if s.leads else 0) >= (ps.median_lead if ps.leads else 0)
+
+            dom_pts = [t for t in ok_pts if dominates(t[1])]
+            n, s = max(dom_pts or ok_pts, key=lambda t: (t[1].recall, t[1].median_lead if t[1].leads else 0))
+            print(f"{name:20s} {ps.recall:>10.1%} {_lead(ps):>9s} {ps.fa(rd):>10.2f} | {n[:26]:>26s} {s.recall:>7.1%} "
+                  f"{_lead(s):>5s} {s.fa(rd):>6.2f}  {'dominates' if dominates(s) else 'DOES NOT DOMINATE'}")
 
     if a.verbose:
         print("\nper event (lead in steps; - = missed):")
@@ -757,8 +888,9 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [score_run(r, allres[n][r.name]).per_event.get(r.name) for n in names]
                 print(f"{r.name[:62]:62s} {int(r.steps[r.collapse]):>8d} "
                       + " ".join(f"{'-' if c is None else c:>9}" for c in cells))
-        fa = total(runs, ew, allc).fa_runs
-        print(f"earlywarn false alarms: {fa}")
+        sc = total(runs, ew, allc)
+        print(f"earlywarn false alarms (strict): {sc.fa_runs}")
+        print(f"earlywarn false alarms (hazard reading): {sc.hz_fa_runs}")
         crit = {r.name: ew[r.name].critical for r in corpus if score_run(r, ew[r.name]).false_criticals}
         print(f"earlywarn false criticals (rows): {crit}")
     print(f"(data {t1 - t0:.1f}s, total {time.perf_counter() - t0:.1f}s)")

@@ -103,6 +103,20 @@ def main(argv: list[str] | None = None) -> int:
 
     same = len(col_alerts) == n_alerts and np.array_equal(sd_cols.state.stats, sd.state.stats)
 
+    # one signal of the user's own on every step (ew.report): one more run-level channel
+    rng = np.random.default_rng(7)
+    user = 20.0 * np.exp(rng.normal(0, 0.05, a.steps))
+    obs_u = [Observation(step=o.step, grad_norm=o.grad_norm, loss=o.loss, layer_norms=o.layer_norms,
+                         extras={"lr": o.extras["lr"], "user/attn_logit_max": float(user[i])})
+             for i, o in enumerate(obs)]
+    best_user = float("inf")
+    for _ in range(a.repeat):
+        sd_u = StreamingDetector(layer_names=names)
+        c = time.process_time()
+        for o in obs_u:
+            sd_u.observe(o)
+        best_user = min(best_user, time.process_time() - c)
+
     # one path only: every step through the general (masked) path, what a single per-step path
     # would cost (the calm path exists because this misses the target)
     n_full = min(a.steps, 20_000)
@@ -163,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{n_alerts} alerts ({n_warn} warning or worse)")
     print(f"offline replay (observe_columns): {best_cols:.2f} s CPU ({1e6 * best_cols / a.steps:.1f} us/step), "
           f"{'the same alerts and final state as observe()' if same else 'DIFFERENT from observe()'}")
+    print(f"with one user signal on every step (ew.report): {best_user:.2f} s CPU "
+          f"({1e6 * best_user / a.steps:.1f} us/step, {best_user / best_cpu:.2f}x)")
     for label, n, (m1, m2, m3) in (("observe (in place)", a.steps, live),
                                    ("Detector.update (pure)", n_pure, pure_mem)):
         print(f"memory, {label}: {m1 / 1024:.1f} KiB after {n // 4:,} steps, {m2 / 1024:.1f} KiB after "

@@ -61,11 +61,16 @@ def main() -> None:
 
     def with_earlywarn(m, o):
         ew = earlywarn.watch(m, o, sinks=[])
-        return (lambda loss: ew.report_loss(loss)), ew
+        return (lambda loss, logits: ew.report_loss(loss)), ew
+
+    def with_report(m, o):  # issue 14: a signal of the user's own, the output logits' largest magnitude
+        ew = earlywarn.watch(m, o, sinks=[])
+        return (lambda loss, logits: (ew.report_loss(loss), ew.report("logit_max", logits.detach().abs().amax()))), ew
 
     add("+ earlywarn (sync)", with_earlywarn)
-    add("+ clip_grad_norm_(foreach=True)", lambda m, o: ((lambda loss: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9, foreach=True)), None))
-    add("+ per-param .norm().item() loop", lambda m, o: ((lambda loss: [p.grad.norm().item() for p in m.parameters()]), None))
+    add("+ earlywarn + ew.report(output logit max)", with_report)
+    add("+ clip_grad_norm_(foreach=True)", lambda m, o: ((lambda loss, logits: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9, foreach=True)), None))
+    add("+ per-param .norm().item() loop", lambda m, o: ((lambda loss, logits: [p.grad.norm().item() for p in m.parameters()]), None))
 
     wandb_run = None
     if not args.no_wandb:
@@ -81,7 +86,7 @@ def main() -> None:
             nonlocal wandb_run
             wandb_run = wandb.init(project="earlywarn-bench")
             wandb.watch(m, log="gradients", log_freq=1)
-            return (lambda loss: wandb_run.log({"loss": loss.item()})), None
+            return (lambda loss, logits: wandb_run.log({"loss": loss.item()})), None
 
         add('+ wandb.watch(log="gradients", log_freq=1)', with_wandb)
 
@@ -89,10 +94,10 @@ def main() -> None:
         model, opt = v["model"], v["opt"]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
+        logits, loss = model(x, y)
         loss.backward()
         if v["extra"] is not None:
-            v["extra"](loss)
+            v["extra"](loss, logits)
         opt.step()
         return time.perf_counter() - t0
 
@@ -140,8 +145,24 @@ def main() -> None:
         # Paired: each round's time over the same round's bare step, so slow drifts cancel.
         paired = statistics.median(t / b for t, b in zip(times, bare_times))
         print(f"{name:45s} {med * 1e3:9.1f} {med / base:7.3f}x {paired:6.3f}x")
+    # the same with a user signal reported before each step (its value computed beforehand: this
+    # is earlywarn's part, one more slot in the statistics vector and one more detector channel)
+    ew_u = variants["+ earlywarn + ew.report(output logit max)"]["ctx"]
+    opt_u = variants["+ earlywarn + ew.report(output logit max)"]["opt"]
+    value = torch.tensor(3.0)
+    extra_u = []
+    for r in range(60):
+        t0 = time.perf_counter()
+        ew_u.report("logit_max", value)
+        opt_u.step()
+        t1 = time.perf_counter()
+        ew_u._orig_step()
+        t2 = time.perf_counter()
+        extra_u.append((t1 - t0) - (t2 - t1))
     guard_cost = statistics.median(extra)
     print(f"{'earlywarn guard cost, paired (60 reps)':45s} {guard_cost * 1e3:9.2f} -> {1 + guard_cost / base:.4f}x of the bare step")
+    cost_u = statistics.median(extra_u)
+    print(f"{'  the same with ew.report (one user signal)':45s} {cost_u * 1e3:9.2f} -> {1 + cost_u / base:.4f}x of the bare step")
     ms, mn = statistics.median(t_stats), statistics.median(t_norm)
     print(f"{'earlywarn stats pass (norms + 1 host read)':45s} {ms * 1e3:9.2f} {ms / mn:7.3f}x of one bare torch._foreach_norm ({mn * 1e3:.2f} ms)")
     # the step's LR for the detector (issue 14): a host read of param_groups, inside the guard cost above
@@ -151,6 +172,7 @@ def main() -> None:
     t_lr = min(timeit.repeat(lambda: learning_rate(guarded_opt), number=1000, repeat=5)) / 1000
     print(f"{'LR capture (host read of param_groups)':45s} {t_lr * 1e6:9.2f} us -> {1 + t_lr / base:.6f}x of the bare step")
     ew.close()
+    ew_u.close()
     if wandb_run is not None:
         wandb_run.finish()
 

@@ -35,7 +35,7 @@ from earlywarn.capture.hostread import LateReader, SyncReader
 from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
 from earlywarn.events import Event, Kind, Level
-from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics
+from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics, sanitize_key
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
 from earlywarn.recover._state import fence_copies
@@ -129,12 +129,13 @@ def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
 class _Tag:
     """What the host needs to know about a step whose vector may arrive a step late."""
 
-    __slots__ = ("step", "batch", "loss_reported", "counts", "inv_scale", "gen")
+    __slots__ = ("step", "batch", "loss_reported", "counts", "inv_scale", "gen", "users")
 
     def __init__(self, step: int, batch: Any, loss_reported: bool):
         self.step = step
         self.batch = batch  # drawn for this step: what blame and quarantine name, however late it is read
         self.loss_reported = loss_reported
+        self.users: tuple[tuple[str, int], ...] = ()  # (user signal, its index in the vector) reported this step
         self.counts: np.ndarray | None = None
         self.inv_scale: torch.Tensor | None = None  # for the rare-path recount (sync mode)
         self.gen = 0  # the watcher's rewind generation when the step ran (async mode)
@@ -234,9 +235,11 @@ class Watcher:
             "nonfinite_steps": 0, "alerts_info": 0, "alerts_warning": 0, "alerts_critical": 0,
         }
         self._step_levels = StepLevels()  # alert_level of the row being built (see _emit, _log_metrics)
-        self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
+        self._step = 0  # the training step (a rewind sets it back; events and metrics: _log_offset)
         self._loss: torch.Tensor | None = None  # sum of the losses reported since the last step
         self._loss_count = 0
+        self._user_names: list[str] = []  # user signals ("user/<name>"), in the order first reported
+        self._user_acc: dict[str, list] = {}  # name -> [sum, count] of the values reported since the last step
         self._alert_step: int | None = None  # step of the latest alert, any level
         self._unclean_step: int | None = None  # ... of warning-or-worse ones: no snapshot for clean_window
         self._incident_step: int | None = None  # ... of those that are an incident (not a skipped bad step)
@@ -356,20 +359,40 @@ class Watcher:
         two optimizer steps are averaged (on the device), and one NaN micro-batch makes the step's
         loss NaN. The detector works on ratios, so a constant factor (nanoGPT reports
         ``loss / gradient_accumulation_steps``) changes nothing."""
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"report_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}: reduce it first (e.g. .mean())")
-            value = loss.detach().reshape(())
-        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            value = torch.tensor(float(loss), dtype=torch.float64)
-        else:
-            raise TypeError(f"report_loss takes a scalar tensor or a float, got {type(loss).__name__}")
+        value = _scalar(loss, "report_loss", "loss")
         if self._loss is None:
             self._loss, self._loss_count = value, 1
         else:
             if value.device != self._loss.device:
                 value = value.to(self._loss.device)
             self._loss, self._loss_count = self._loss + value, self._loss_count + 1
+
+    def report(self, name: str, value: torch.Tensor | float) -> None:
+        """Tell earlywarn a scalar of your own for this step, e.g. the largest attention logit
+        (``ew.report("attn_logit_max", att.detach().abs().amax())``). A tensor stays on the device
+        (no host sync) and rides in the step's one statistics vector, as the loss does.
+
+        The detector tracks it as a run-level signal ``user/<name>``: an isolated spike is info;
+        an escalation or a sustained rise (``DetectorConfig.user_alone_h``), or a NaN / inf
+        value, is a warning that names it. Report a positive magnitude (it is judged in log
+        space; values <= 0 are not tracked). Values reported between two optimizer steps are
+        averaged; a name not reported at a step is absent there. Logged as
+        ``earlywarn/user/<name>``, which ``earlywarn analyze`` reads back as the same signal.
+        Under ``torch.distributed`` report the same names on every rank (the value is averaged
+        over ranks)."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"report(name, value) needs a non-empty name, got {name!r}")
+        key = "user/" + sanitize_key(name.strip())
+        value = _scalar(value, "report", "value")
+        acc = self._user_acc.get(key)
+        if acc is None:
+            if key not in self._user_names:
+                self._user_names.append(key)  # a new slot in the statistics vector from this step on
+            self._user_acc[key] = [value, 1]
+        else:
+            if value.device != acc[0].device:
+                value = value.to(acc[0].device)
+            acc[0], acc[1] = acc[0] + value, acc[1] + 1
 
     def summary(self) -> dict[str, int]:
         return dict(self.counters)
@@ -479,8 +502,8 @@ class Watcher:
         self._order_hooks = []
         self._grad_seq = []
 
-    def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-        # [per-layer squared norms..., loss, loss scale]: one vector, one transfer.
+    def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool, tuple]:
+        # [per-layer squared norms..., loss, loss scale, user signals...]: one vector, one transfer.
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
         layer_sq = self._stats.layer_sq_norms(inv_scale)
         dev, dt = layer_sq.device, layer_sq.dtype
@@ -491,17 +514,28 @@ class Watcher:
             loss = loss / self._loss_count  # micro-batch losses since the last step: their mean
         self._loss, self._loss_count = None, 0
         scale = self.scaler._scale if self.scaler is not None else None
-        vec = torch.cat([
-            layer_sq,
-            _onto(loss, dev, dt) if reported else nan,
-            _onto(scale, dev, dt) if scale is not None else nan,
-        ])
+        parts = [layer_sq, _onto(loss, dev, dt) if reported else nan,
+                 _onto(scale, dev, dt) if scale is not None else nan]
+        users: tuple[tuple[str, int], ...] = ()
+        if self._user_names:
+            # one slot per user signal ever reported (a stable layout); NaN where not reported now
+            given = []
+            for j, key in enumerate(self._user_names):
+                acc = self._user_acc.get(key)
+                if acc is None:
+                    parts.append(nan)
+                else:
+                    parts.append(_onto(acc[0] / acc[1] if acc[1] > 1 else acc[0], dev, dt))
+                    given.append((key, len(layer_sq) + 2 + j))
+            self._user_acc = {}
+            users = tuple(given)
+        vec = torch.cat(parts)
         if self._reducer is not None:
             vec = self._all_reduce(vec, reported)
         # the LR this step is taken with (a host number: no device work), kept until the step's
         # vector is read (a step later in async mode, when the scheduler has moved on)
         self._step_lr[self._step] = learning_rate(self.optimizer)
-        return vec, reported
+        return vec, reported, users
 
     def _all_reduce(self, vec: torch.Tensor, reported: bool) -> torch.Tensor:
         assert self._reducer is not None
@@ -509,8 +543,9 @@ class Watcher:
 
     def _begin(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, _Tag]:
         self._settle_backward_order()
-        vec, reported = self._device_vector(inv_scale)
+        vec, reported, users = self._device_vector(inv_scale)
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
+        tag.users = users
         tag.inv_scale, tag.gen = inv_scale, self._gen
         self.recovery.fingerprints.bind(self._step)  # what the forward passes since the last step saw
         self._step += 1
@@ -556,7 +591,7 @@ class Watcher:
             if self.mode == "async":
                 # Device-side skip flag: the fused kernel reads it, no host sync needed. The layer
                 # norms are exact (float64), so it is set by NaN/Inf elements only.
-                layer_sq = vec[:-2]
+                layer_sq = vec[:self.layer_map.num_layers]
                 found = (~torch.isfinite(layer_sq.sum()) | (layer_sq.amax() > _SQ_OVERFLOW)).to(torch.float32)
                 ready = self._reader.push(vec, tag)  # this step's copy starts; earlier ones that landed
                 ret = self._apply(found, args, kwargs, record=tag)
@@ -689,13 +724,14 @@ class Watcher:
     # ------------------------------------------------------------------ host side
     def _read_now(self, vec: torch.Tensor, tag: _Tag) -> np.ndarray:
         host, _ = self._reader.push(vec, tag)  # the step's one batched host read
-        if not math.isfinite(float(host[:-2].sum())):
+        L = self.layer_map.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
+        if not math.isfinite(float(host[:L].sum())):
             # Rare path (a bad step): a second pass for exact per-layer element counts.
             counts = self._stats.layer_nonfinite_counts()
             if self._reducer is not None:  # every rank is on this path (same vector): matched collective
                 counts = self._reducer.reduce_counts(counts, loss_reported=tag.loss_reported)
             tag.counts = counts.cpu().numpy()
-            overflowed = ~np.isfinite(host[:-2]) & (tag.counts == 0)
+            overflowed = ~np.isfinite(host[:L]) & (tag.counts == 0)
             if overflowed.any():
                 # Every element finite, yet the float32 squared norm overflowed (|g| >~ 1.8e19):
                 # a huge finite gradient is a spike, not a non-finite one. Recount in float64.
@@ -704,21 +740,24 @@ class Watcher:
                     pad = torch.full((2,), math.nan, dtype=exact.dtype, device=exact.device)
                     exact = self._reducer.reduce(torch.cat([exact, pad]), loss_reported=tag.loss_reported)[:-2]
                 host = host.copy()
-                host[:-2][overflowed] = exact.cpu().numpy()[overflowed]
+                host[:L][overflowed] = exact.cpu().numpy()[overflowed]
         return host
 
     def _observation(self, host: np.ndarray, tag: _Tag) -> Observation:
-        layer_sq = host[:-2]
+        L = self.layer_map.num_layers
+        layer_sq = host[:L]
         layer_norms = np.sqrt(layer_sq)
         total = float(np.sqrt(layer_sq.sum()))
         nonfinite = tag.counts if tag.counts is not None else (~np.isfinite(layer_sq)).astype(np.float64)
-        extras = {"loss_scale": float(host[-1])} if self.scaler is not None else {}
+        extras = {"loss_scale": float(host[L + 1])} if self.scaler is not None else {}
+        for key, j in tag.users:
+            extras[key] = float(host[j])
         lr = self._step_lr.pop(tag.step, None)
         for k in [k for k in self._step_lr if k < tag.step]:
             del self._step_lr[k]  # steps never read (a rewind dropped them)
         if lr is not None:
             extras["lr"] = lr
-        loss = float(host[-2]) if tag.loss_reported else None
+        loss = float(host[L]) if tag.loss_reported else None
         return Observation(step=tag.step, grad_norm=total, layer_norms=layer_norms, loss=loss,
                            layer_nonfinite=nonfinite, skipped=not math.isfinite(total),
                            batch=_batch_index(tag.batch), extras=extras)
@@ -728,7 +767,7 @@ class Watcher:
         alerts = self.detector.observe(obs)
         nonfinite = not obs.grad_finite
         loss_bad = obs.loss is not None and not math.isfinite(obs.loss)
-        overflow = not nonfinite and bool(np.any(host[:-2] > _SQ_OVERFLOW))
+        overflow = not nonfinite and bool(np.any(host[:self.layer_map.num_layers] > _SQ_OVERFLOW))
         scan = None
         if loss_bad or (nonfinite and self.scaler is None):
             # Rare path: was anything written? Finite parameters and optimizer state mean the bad
@@ -967,9 +1006,22 @@ class Watcher:
             layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
             score=None if obs is None else self.detector.score, level=level,
             counters=self.counters, config=self.metrics_config,
+            user={k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
         )
         for sink in self.sinks:
             _safe(sink, "log_metrics", step, metrics)
+
+
+def _scalar(value: Any, fn: str, what: str) -> torch.Tensor:
+    """A reported scalar as a 0-d tensor: a tensor stays where it is (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{fn} takes a scalar {what}, got a tensor of shape {tuple(value.shape)}: "
+                             "reduce it first (e.g. .mean())")
+        return value.detach().reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    raise TypeError(f"{fn} takes a scalar tensor or a float, got {type(value).__name__}")
 
 
 def _weights_only_safe(tree: Any) -> Any:

@@ -24,6 +24,8 @@ key                                    meaning
 ``earlywarn/layer_grad_norm/<layer>``  per-layer gradient norm, every ``layer_every`` steps (all
                                        layers, or the ``layer_top_k`` largest), on alert steps,
                                        and always for non-finite layers
+``earlywarn/user/<name>``              a scalar of the user's own (``Watcher.report``), at the
+                                       steps it was reported
 =====================================  =========================================================
 
 Any other counter the guard keeps (``nonfinite_steps``, ``alerts_<level>``) is logged under its
@@ -193,6 +195,7 @@ def build_metrics(
     level: int,
     counters: Mapping[str, int],
     config: MetricsConfig | None = None,
+    user: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """One step's flat metrics (see the module docstring for the keys).
 
@@ -217,6 +220,8 @@ def build_metrics(
     for name, value in counters.items():
         if name not in COUNTERS and name not in _NOT_LOGGED:
             out[_counter_key(p, name)] = float(value)
+    for name, value in (user or {}).items():  # the user's own signals (Watcher.report)
+        out[_counter_key(p, f"user/{name}")] = float(value)
 
     if layer_norms is not None:
         norms = np.asarray(layer_norms, dtype=np.float64).reshape(-1)
@@ -261,26 +266,27 @@ class StepMetrics(Mapping[str, float]):
 
     def __init__(self, step: int, *, grad_norm: float | None, loss: float | None, layer_names: Sequence[str] | None,
                  layer_norms: np.ndarray | None, score: float | None, level: int, counters: Mapping[str, int],
-                 config: MetricsConfig | None = None):
+                 config: MetricsConfig | None = None, user: Mapping[str, float] | None = None):
         self.step = int(step)
         self._args = (grad_norm, loss, layer_names, layer_norms, score, int(level), dict(counters),
-                      config or _DEFAULT_CONFIG)
+                      config or _DEFAULT_CONFIG, dict(user) if user else None)
         self._built: dict[str, float] | None = None
 
     def _dict(self) -> dict[str, float]:
         built = self._built
         if built is None:
-            grad_norm, loss, names, norms, score, level, counters, cfg = self._args
+            grad_norm, loss, names, norms, score, level, counters, cfg, user = self._args
             built = self._built = build_metrics(self.step, grad_norm=grad_norm, loss=loss, layer_names=names,
                                                 layer_norms=norms, score=score, level=level, counters=counters,
-                                                config=cfg)
+                                                config=cfg, user=user)
         return built
 
     def approx_len(self) -> int:
         """About how many values this step holds, without building it (buffer accounting: the
         same answer before and after it was built)."""
-        grad_norm, loss, names, norms, score, level, counters, cfg = self._args
+        grad_norm, loss, names, norms, score, level, counters, cfg, user = self._args
         n = 1 + len(COUNTERS) + len(counters) + 2 * (grad_norm is not None) + 2 * (loss is not None) + (score is not None)
+        n += len(user or ())
         if norms is not None:
             layer_step = (cfg.layer_every > 0 and self.step % cfg.layer_every == 0) or (cfg.layer_on_alert and level >= 2)
             size = int(np.size(norms))

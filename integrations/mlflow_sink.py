@@ -131,13 +131,18 @@ class MlflowWriter:
 
     def _experiment_id(self, client: Any) -> str:
         name = self.o.get("experiment") or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        location = self.o.get("artifact_location")
         if not name:
-            return os.environ.get("MLFLOW_EXPERIMENT_ID") or "0"
+            if os.environ.get("MLFLOW_EXPERIMENT_ID") or not location:
+                return os.environ.get("MLFLOW_EXPERIMENT_ID") or "0"
+            # MLflow's Default experiment keeps its artifacts in <cwd>/mlruns, fixed when the store
+            # was made: an artifact location needs an experiment of our own.
+            name = "earlywarn"
         exp = self._call(client.get_experiment_by_name, name)
         if exp is not None:
             return exp.experiment_id
         try:
-            return self._call(client.create_experiment, name)
+            return self._call(client.create_experiment, name, artifact_location=location)
         except PermanentSinkError:  # created concurrently by another process
             exp = self._call(client.get_experiment_by_name, name)
             if exp is None:
@@ -427,7 +432,10 @@ class MlflowSink(Sink):
     imported, else ``$MLFLOW_TRACKING_URI``, else MLflow's default (the embedded
     ``sqlite:///<cwd>/mlflow.db`` that ``mlflow ui`` reads). ``experiment`` is a name (created
     if missing); without it the run goes where ``mlflow.start_run()`` would put it
-    (``$MLFLOW_EXPERIMENT_NAME`` / ``_ID`` or Default). ``run_name`` defaults to a unique
+    (``$MLFLOW_EXPERIMENT_NAME`` / ``_ID`` or Default). ``artifact_location`` (a URI): where a
+    new experiment keeps its artifacts; with no experiment named, the run goes to an experiment
+    ``earlywarn`` created there (the Default one's location is fixed when the store is made,
+    ``<cwd>/mlruns`` for sqlite). ``run_name`` defaults to a unique
     ``<script>-<time>-<hex>`` (see :func:`unique_run_name`). A run this sink created ends as
     ``FINISHED``, ``FAILED`` after an ``earlywarn.Halt``, ``KILLED`` after SIGTERM.
 
@@ -459,6 +467,7 @@ class MlflowSink(Sink):
         http_timeout: float = 10.0,
         batch_interval: float = 1.0,
         spool_path: str | os.PathLike | None = None,
+        artifact_location: str | None = None,
     ):
         if not isinstance(max_incident_artifacts, int) or max_incident_artifacts < 0:
             raise ValueError(f"MlflowSink.max_incident_artifacts={max_incident_artifacts!r}: use an int >= 0")
@@ -482,6 +491,7 @@ class MlflowSink(Sink):
         self.http_timeout = float(http_timeout)
         self.batch_interval = float(batch_interval)
         self.spool_path = spool_path
+        self.artifact_location = artifact_location
         self.owns_run = False
         self._halted = False
         self._transport: Any = None
@@ -510,7 +520,7 @@ class MlflowSink(Sink):
             "tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_name": self.run_name,
             "run_id": self.run_id, "tags": self.tags, "upload_checkpoints": self.upload_checkpoints,
             "incident_min_level": int(self.incident_min_level), "max_incident_artifacts": self.max_incident_artifacts,
-            "version": _version(), "owns_run": self.owns_run,
+            "version": _version(), "owns_run": self.owns_run, "artifact_location": self.artifact_location,
         }
 
     # ------------------------------------------------------------------ lifecycle

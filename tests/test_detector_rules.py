@@ -263,3 +263,49 @@ def test_watch_feeds_the_step_lr_and_warns_on_a_pulse_before_its_update():
         assert ew.detector.state.lr_n == 100 and not ew._step_lr
     finally:
         ew.close()
+
+
+# -- the together rule while the learning rate climbs ------------------------------------------
+
+
+def _rise_run(lr_kind: str, g_rise: float, loss_rise: float, steps: int, seed: int = 5):
+    """Calm for 300 steps, then the grad norm and the loss rise together for ``steps`` steps, under
+    an LR that climbs (a warm-up still going), stays flat, decays, or is not logged."""
+    rng = np.random.default_rng(seed)
+    n = 300 + steps + 20
+    g = np.exp(rng.normal(0, 0.1, n))
+    loss = 2.0 * np.exp(rng.normal(0, 0.02, n))
+    g[300:300 + steps] *= g_rise ** np.arange(1, steps + 1)
+    loss[300:300 + steps] *= loss_rise ** np.arange(1, steps + 1)
+    t = np.arange(n)
+    lr = {"climbs": 1e-4 * (t + 1), "flat": np.full(n, 1e-3), "decays": 1e-3 * np.exp(-t / 500)}.get(lr_kind)
+    return _run(loss, g, lr)
+
+
+def test_the_together_rule_is_more_sensitive_while_the_lr_climbs_than_when_it_is_flat_or_unknown():
+    cfg = DetectorConfig()
+    assert cfg.lr_rise_factor < cfg.no_lr_factor < 1.0
+    first = {}
+    for kind in ("climbs", "flat", "decays", None):
+        res = replay(_rise_run(kind, 1.15, 1.03, 12))
+        w = [a for a in res.alerts if a.level >= Level.WARNING]
+        first[kind] = w[0].step if w else None
+        if w:
+            assert "rising together" in w[0].message
+            h = {"climbs": cfg.lr_rise_factor, None: cfg.no_lr_factor}.get(kind, 1.0) * cfg.drift_h
+            assert w[0].values["cusum"] >= h
+    assert first["climbs"] is not None and first["climbs"] < 312
+    assert first[None] is not None and first["climbs"] <= first[None]
+    assert first["flat"] is None or first["flat"] > first[None]
+    assert first["decays"] == first["flat"]
+
+
+def test_one_bad_batch_warns_only_while_the_lr_climbs():
+    # both the gradient and the loss far up for one step, then back: a bad batch. Under a flat or
+    # decaying LR that is an info spike; while the LR climbs (lr_rise_factor) one such step warns
+    for kind, warned in (("flat", False), ("decays", False), (None, False), ("climbs", True)):
+        res = replay(_rise_run(kind, 1.0, 1.0, 0)[:300] + [
+            Observation(step=300, grad_norm=20.0, loss=2.9, extras={} if kind is None else {"lr": {
+                "climbs": 3.01e-2, "flat": 1e-3, "decays": 1e-3 * math.exp(-300 / 500)}[kind]})])
+        assert bool([a for a in res.alerts if a.level >= Level.WARNING]) == warned, kind
+        assert not [a for a in res.alerts if a.level == Level.CRITICAL]

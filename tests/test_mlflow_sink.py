@@ -174,6 +174,9 @@ def test_no_sinks_configured_goes_to_embedded_mlflow_and_jsonl(mlflow_template_d
     assert run.data.metrics["earlywarn/grad_norm"] == 4.0 and run.data.tags["earlywarn.status"] == "warning"
     lines = [json.loads(line) for line in (tmp_path / "earlywarn_output" / "events.jsonl").read_text().splitlines()]
     assert lines[0]["type"] == "event" and lines[0]["kind"] == "collapse_risk"
+    # incident artifacts live beside the store, not in ./mlruns (no stray files in the working directory)
+    assert run.info.artifact_uri.startswith((tmp_path / "earlywarn_output" / "mlruns").as_uri())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlywarn_output"]
 
 
 def test_unknown_run_id_is_dropped_by_build_sinks(mlflow_sqlite_uri, caplog):

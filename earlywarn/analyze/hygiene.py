@@ -45,6 +45,8 @@ LAYER_PREFIXES = ("grad_norm/", "grad_norms/", "layer_grad_norm/", "l2_norm/grad
 KEY_MAP_NAMES = ("step", "run", "loss", "grad_norm", "layer_prefix", "loss_scale", "lr", "skipped",
                  "skipped_total", "nan_iters", "update_norm", "param_norm")
 EXTRAS = ("lr", "loss_scale", "update_norm", "param_norm")
+USER_PREFIXES = ("earlywarn/user/", "user/")
+"""Columns of a user's own signals (``Watcher.report``): ``earlywarn/user/<name>`` -> ``user/<name>``."""
 
 DENSE = 0.9
 """A column present on at least this share of the rows that logged the other core signal is
@@ -298,6 +300,11 @@ def clean(raw: RawRun, key_map: Mapping[str, str] | None = None) -> CleanRun:
             if name == "loss_scale":
                 kn &= v != 0.0
             extras[name] = (v, kn)
+    for key in raw.columns:  # the user's own signals: NaN / inf values kept (the detector warns on them)
+        for pre in USER_PREFIXES:
+            if key.startswith(pre) and len(key) > len(pre) and f"user/{key[len(pre):]}" not in extras:
+                extras[f"user/{key[len(pre):]}"] = (raw.columns[key].astype(np.float64, copy=True), ~raw.missing[key])
+                break
 
     # --- skipped steps: loss-scale overflow, the log's own skip counter, stale repeats
     skipped = np.zeros(n, dtype=bool)

@@ -64,8 +64,9 @@ class StatsReducer:
 
     def _post_scale(self, vec: torch.Tensor) -> torch.Tensor:
         # After the SUM: sharded layer entries are already exact sums; replicated entries (DDP
-        # layers, the loss, the loss scale) are means over ranks.
-        if self._post is None or self._post.device != vec.device or self._post.dtype != vec.dtype:
+        # layers, the loss, the loss scale, the user's own signals) are means over ranks.
+        if (self._post is None or self._post.device != vec.device or self._post.dtype != vec.dtype
+                or self._post.shape != vec.shape):
             # Filled on the device (fill kernels take the value as an argument): a host-built
             # tensor copied over would be a blocking host-to-device copy.
             post = torch.full(vec.shape, 1.0 / self.world_size, dtype=vec.dtype, device=vec.device)
@@ -75,13 +76,15 @@ class StatsReducer:
         return self._post
 
     def reduce(self, vec: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:
-        """``[layer_sq..., loss, loss_scale]`` of this rank -> the same vector on every rank.
+        """``[layer_sq..., loss, loss_scale, user signals...]`` of this rank -> the same vector on
+        every rank.
 
         At most one all-reduce, issued on the vector's device without a host sync.
         """
         expected = self.layer_map.num_layers + 2
-        if vec.shape != (expected,):
-            raise ValueError(f"statistics vector has shape {tuple(vec.shape)}, expected ({expected},): [layer_sq..., loss, loss_scale]")
+        if vec.dim() != 1 or vec.shape[0] < expected:
+            raise ValueError(f"statistics vector has shape {tuple(vec.shape)}, expected ({expected} + user signals,): "
+                             "[layer_sq..., loss, loss_scale, user signals...]")
         if not self.needs_collective(loss_reported):
             return vec
         out = vec.clone()

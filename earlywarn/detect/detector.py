@@ -1,7 +1,9 @@
 """The streaming detector: a pure ``init`` / ``update`` pair (optax style) and a stateful wrapper.
 
-Every signal is a *channel*: ``grad_norm``, ``loss``, ``update_norm``, ``param_norm`` and one
-``grad_norm/<layer>`` per layer. Each channel keeps, in log space (magnitudes differ by 1e6
+Every signal is a *channel*: ``grad_norm``, ``loss``, ``update_norm``, ``param_norm``, one
+``grad_norm/<layer>`` per layer, then one ``user/<name>`` per signal of the user's own
+(``Watcher.report``; added at the first observation that carries ``extras["user/<name>"]``, a
+run-level channel like the grad norm). Each channel keeps, in log space (magnitudes differ by 1e6
 between runs; ratios do not), a robust trailing baseline (EMA of admitted log-values,
 winsorised) and a robust scale (EMA of absolute deviations, floored). The run-level channels
 also keep a one-sided CUSUM of their z-scores, and the gradient and the loss together feed one
@@ -9,7 +11,7 @@ more CUSUM, the *together* evidence.
 
 Cost: a step is O(channels) with no allocation. All channels live in preallocated vectors and a
 calm step of a mature run is ~10 numpy calls on them (log, deviation, one outlier test, the
-EMA updates as two stacked multiply-adds) plus scalar Python for the four run-level channels.
+EMA updates as two stacked multiply-adds) plus scalar Python for the run-level channels.
 Anything unusual (warm-up, a spike, a skipped or non-finite step, a changed set of signals, a
 rule about to fire) takes the general path, which applies the same arithmetic with masks.
 
@@ -19,8 +21,10 @@ What is alarming is *escalation*, not one spike:
   (reported on the step it recovered; ``values["peak_step"]`` says when it peaked).
 - ``warning`` COLLAPSE_RISK: (a) consecutive elevated steps that keep growing (BLOOM-176B's
   0.24 -> 0.95 -> 2.4 -> 16); (b) the gradient and the loss rising together over several steps
-  (the together evidence reaches ``drift_h``); (c) one run-level signal rising for long
-  (``drift_alone_h``); optionally (d) several layers at once or (e) one enormous jump.
+  (the together evidence reaches ``drift_h``, or ``lr_rise_factor * drift_h`` on a step whose
+  LR is at a new high: a run crosses its stability edge while its LR climbs); (c) one run-level
+  signal rising for long (``drift_alone_h``; a user signal: ``user_alone_h``), or a user signal
+  that is NaN / inf; optionally (d) several layers at once or (e) one enormous jump.
   Per-layer signals never warn on their own (small layers are spiky); they name the layers that
   moved. A warning consumes its evidence; another may follow ``rearm_steps`` later if the rise
   goes on.
@@ -72,6 +76,8 @@ _copysign, _greater, _not_equal = np.copysign, np.greater, np.not_equal
 _fmax, _fmin, _multiply, _add = np.fmax, np.fmin, np.multiply, np.add
 _LEVELS = tuple(Level(i) for i in range(max(Level) + 1))
 _PAT_KEYS = ((1, GRAD), (2, LOSS), (4, UPDATE), (8, PARAM))
+USER = "user/"  # a user's own run-level signal (``Watcher.report``; a log column ``earlywarn/user/<name>``)
+_USER_BIT = 64  # pattern bit of the first user signal (the next ones: 128, 256, ...)
 _CHUNK_ROWS = 2048  # rows whose log-values StreamingDetector.observe_columns takes at once
 
 
@@ -121,7 +127,12 @@ class DetectorState(NamedTuple):
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        return tuple(c[len("grad_norm/"):] for c in self.channels[N_FIXED:])
+        return tuple(c[len("grad_norm/"):] for c in self.channels[N_FIXED:] if not c.startswith(USER))
+
+    @property
+    def user_names(self) -> tuple[str, ...]:
+        """The user signals, as ``"user/<name>"`` (the channels after the layers)."""
+        return tuple(c for c in self.channels[N_FIXED:] if c.startswith(USER))
 
     @property
     def score(self) -> float:
@@ -167,6 +178,29 @@ class DetectorState(NamedTuple):
         return cls(**kw)
 
 
+def user_channel(name: str) -> str:
+    """The channel (and ``Observation.extras`` key) of a user signal: ``"user/<name>"``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a user signal needs a non-empty name, got {name!r}")
+    name = name.strip()
+    return name if name.startswith(USER) and len(name) > len(USER) else USER + name
+
+
+def with_user_signals(state: "DetectorState", names: Sequence[str], scale0: float, admit_z: float) -> "DetectorState":
+    """``state`` with user-signal channels ``names`` (``"user/<name>"``) appended, cold (no history;
+    nothing else changes: the layers keep their positions)."""
+    names = tuple(n for n in names if n not in state.channels)
+    if not names:
+        return state
+    k = len(names)
+    stats = np.zeros((N_ROWS, len(state.channels) + k))
+    stats[:, :len(state.channels)] = state.stats
+    stats[SCALE, -k:] = scale0
+    stats[WIDTH, -k:] = scale0 * admit_z
+    dev = None if state.dev is None else np.concatenate([state.dev, np.full(k, _NAN)])
+    return state._replace(channels=state.channels + names, stats=stats, dev=dev)
+
+
 def _loss_shift_for(loss: float, shift: float) -> float:
     """The offset that makes ``loss + offset`` comfortably positive: a power of two at least
     ``1 + 2 |loss|`` and at least twice the old one (so it changes rarely, and never back)."""
@@ -193,7 +227,7 @@ class _Work:
     Keeping ``wd`` rather than the scale makes the outlier test ``|dev| < wd`` one call, with no
     per-step rescaling."""
 
-    __slots__ = ("channels", "n", "nl", "S2", "mu", "wd", "cnt", "streak", "grow", "prev", "cus",
+    __slots__ = ("channels", "n", "nl", "le", "nu", "uset", "ufix", "S2", "mu", "wd", "cnt", "streak", "grow", "prev", "cus",
                  "joint", "y", "y2", "yl", "W", "D2", "dev", "adev", "P2", "P0", "P1", "R2", "M2", "bb", "fixed",
                  "k", "lmask", "lcmp", "n_lay", "ztmp", "dev_nan", "has_dev", "step", "pattern",
                  "fast", "episode", "ep_start", "ep_peak_step", "ep_peak_chan", "ep_peak_dev", "ep_first_layer", "ep_warned", "since_warn",
@@ -202,7 +236,13 @@ class _Work:
 
     def __init__(self, channels: tuple[str, ...]):
         n = len(channels)
-        self.channels, self.n, self.nl = channels, n, n - N_FIXED
+        # channels: the four fixed ones, the layers, then the user signals (run-level, like the
+        # fixed ones: CUSUMs, escalation, spikes); le is where the layers end
+        nu = sum(1 for c in channels[N_FIXED:] if c.startswith(USER))
+        self.channels, self.n, self.nu = channels, n, nu
+        self.nl = n - N_FIXED - nu
+        self.le = N_FIXED + self.nl
+        self.uset = frozenset(channels[self.le:])
         # [mu; wd; dev; |dev|] in one block, so that the run-level widths and deviations are one
         # (2, 4) view, read with one tolist()
         self.W = np.zeros((4, n))
@@ -210,21 +250,22 @@ class _Work:
         self.mu, self.wd = self.S2[0], self.S2[1]
         self.dev, self.adev = self.D2[0], self.D2[1]
         self.fixed = self.W[1:3, :N_FIXED]
+        self.ufix = self.W[1:3, self.le:]  # the same for the user signals
         self.cnt = np.zeros(n)
         self.streak, self.grow, self.prev = np.zeros(n), np.zeros(n), np.zeros(n)
-        self.cus = [0.0] * N_FIXED
+        self.cus = [0.0] * (N_FIXED + nu)  # the fixed channels', then the user signals'
         self.joint = 0.0
         self.y = np.zeros(n)
         self.y2 = self.y[None, :]  # the same memory as one row, for _calm_rows
-        self.yl = self.y[N_FIXED:]
+        self.yl = self.y[N_FIXED:self.le]
         self.P2 = np.zeros((2, n))
         self.P0, self.P1 = self.P2[0], self.P2[1]
         self.R2 = np.zeros((2, n))
         self.M2 = np.ones((2, n))
         self.bb = np.zeros(n, dtype=bool)
-        self.lmask = np.ones(n - N_FIXED, dtype=bool)  # layers present under the pattern
-        self.lcmp = np.zeros(n - N_FIXED, dtype=bool)
-        self.n_lay = n - N_FIXED
+        self.lmask = np.ones(self.nl, dtype=bool)  # layers present under the pattern
+        self.lcmp = np.zeros(self.nl, dtype=bool)
+        self.n_lay = self.nl
         self.ztmp = np.zeros(n)
         self.dev_nan = False  # dev holds NaN (absent / not warm channels, set by _general)
         self.has_dev = False
@@ -280,6 +321,8 @@ class Detector:
         self._consts: dict[int, _Consts] = {}
         self._kd, self._tk, self._spike_z = float(c.drift_k), float(c.together_k), float(c.spike_z)
         self._drift_h, self._alone_h = float(c.drift_h), float(c.drift_alone_h)
+        self._rise_h = float(c.drift_h) * float(c.lr_rise_factor)  # the together threshold while the LR climbs
+        self._no_lr_h = float(c.drift_h) * float(c.no_lr_factor)  # ... and where no LR is known
         # each step's evidence is winsorised at admit_z, as values entering a baseline are
         self._tcap = self._A = float(c.admit_z)
         self._alone_u = float(c.update_alone_h) if c.update_warns else math.inf
@@ -288,11 +331,13 @@ class Detector:
         self._lr_ready = max(int(c.warmup_steps), self._lr_k)  # LR values seen before the rule may fire
         self._calm_consts = (self._kd, self._spike_z, self._A, self._tcap, self._tk, self._drift_h,
                              self._alone_h, self._log_div, self._div_z, self._alone_u, bool(c.update_warns),
-                             self._lr_jump, self._lr_k, self._lr_ready, self._loss_only_h)
+                             self._lr_jump, self._lr_k, self._lr_ready, self._loss_only_h, self._rise_h,
+                             float(c.user_alone_h), self._no_lr_h)
         self._force_full = False  # tests: run every step through the general path
 
-    def _k(self, n: int) -> _Consts:
-        k = self._consts.get(n)
+    def _k(self, n: int, le: int | None = None) -> _Consts:
+        le = n if le is None else le  # channels from le on are user signals (run-level)
+        k = self._consts.get((n, le))
         if k is None:
             c = self.cfg
             lmin = np.full(n, math.log(c.spike_ratio))
@@ -305,28 +350,35 @@ class Detector:
             gradlike[LOSS] = False
             fixed = np.zeros(n, dtype=bool)
             fixed[:N_FIXED] = True
+            fixed[le:] = True
             min_scale = np.full(n, float(c.min_scale))
             min_scale[LOSS] = c.loss_min_scale
             warns = fixed.copy()
             if not c.update_warns:
                 warns[UPDATE] = warns[PARAM] = False
-            k = self._consts[n] = _Consts(lmin, lgrowth, lwarn, gradlike, fixed, min_scale,
+            k = self._consts[(n, le)] = _Consts(lmin, lgrowth, lwarn, gradlike, fixed, min_scale,
                                           np.full(n, float(c.spike_z) / float(c.admit_z)), warns)
         return k
 
     # ------------------------------------------------------------------------------------------
     def init(self, layer_names: Sequence[str] = (),
-             baseline: Mapping[str, float] | None = None) -> DetectorState:
+             baseline: Mapping[str, float] | None = None, user_names: Sequence[str] = ()) -> DetectorState:
         """A fresh state for a model whose per-layer norms come in ``layer_names`` order.
 
         ``baseline`` gives prior typical values (keys ``"grad_norm"``, ``"loss"``,
-        ``"update_norm"``, ``"param_norm"``, ``"grad_norm/<layer>"``): those channels start warm,
-        which lets a short snippet with no history of its own be judged (the BLOOM case).
+        ``"update_norm"``, ``"param_norm"``, ``"grad_norm/<layer>"``, ``"user/<name>"``): those
+        channels start warm, which lets a short snippet with no history of its own be judged (the
+        BLOOM case). ``user_names`` (``"user/<name>"``) are user signals known from the start;
+        others join when an observation first carries them (``extras["user/<name>"]``).
         """
         layer_names = tuple(str(n) for n in layer_names)
         if len(set(layer_names)) != len(layer_names):
             raise ValueError("layer_names must be unique")
-        channels = FIXED_NAMES + tuple(f"grad_norm/{n}" for n in layer_names)
+        users = [user_channel(u) for u in user_names]
+        users += [k for k in (baseline or {}) if isinstance(k, str) and k.startswith(USER) and k not in users]
+        if len(set(users)) != len(users):
+            raise ValueError("user_names must be unique")
+        channels = FIXED_NAMES + tuple(f"grad_norm/{n}" for n in layer_names) + tuple(users)
         stats = np.zeros((N_ROWS, len(channels)))
         stats[SCALE] = self._scale0
         stats[WIDTH] = self._scale0 * self._A
@@ -334,7 +386,7 @@ class Detector:
         for key, value in (baseline or {}).items():
             if key not in channels:
                 raise ValueError(f"baseline key {key!r} is not a signal of this detector; use one "
-                                 f"of {list(FIXED_NAMES)} or 'grad_norm/<layer>'")
+                                 f"of {list(FIXED_NAMES)}, 'grad_norm/<layer>' or 'user/<name>'")
             try:
                 v = float(value)
             except (TypeError, ValueError):
@@ -353,8 +405,19 @@ class Detector:
         """Feed one step; returns the alerts it raised and the next state (``state`` is left as
         it was)."""
         w = self._load(state)
+        new = self._new_users(w, obs.extras)
+        if new:
+            w = self._load(with_user_signals(state, new, self._scale0, self._A))
         alerts = self._step(w, obs)
         return alerts, self._snapshot(w)
+
+    @staticmethod
+    def _new_users(w: "_Work", ex: Mapping[str, float]) -> list[str]:
+        """User signals in ``ex`` that have no channel yet (in the order given)."""
+        if not ex:
+            return []
+        us = w.uset
+        return [k for k in ex if k.startswith(USER) and k not in us]
 
     # -- working state <-> snapshot -------------------------------------------------------------
     def _load(self, s: DetectorState) -> _Work:
@@ -364,7 +427,7 @@ class Detector:
         w.wd[:] = st[WIDTH]
         w.cnt[:] = st[COUNT]
         w.streak[:], w.grow[:], w.prev[:] = st[STREAK], st[GROW], st[PREV]
-        w.cus = [float(v) for v in st[CUSUM, :N_FIXED]]
+        w.cus = [float(v) for v in st[CUSUM, :N_FIXED]] + [float(v) for v in st[CUSUM, w.le:]]
         w.joint = float(s.joint)
         if s.dev is not None:
             w.dev[:] = s.dev
@@ -391,7 +454,8 @@ class Detector:
         stats[MU], stats[SCALE], stats[COUNT] = w.mu, w.wd / self._A, w.cnt
         stats[WIDTH] = w.wd
         stats[STREAK], stats[GROW], stats[PREV] = w.streak, w.grow, w.prev
-        stats[CUSUM, :N_FIXED] = w.cus
+        stats[CUSUM, :N_FIXED] = w.cus[:N_FIXED]
+        stats[CUSUM, w.le:] = w.cus[N_FIXED:]
         return DetectorState(
             step=w.step, channels=w.channels, stats=stats, dev=w.dev.copy() if w.has_dev else None,
             joint=w.joint, pattern=w.pattern, fast=w.fast, episode=w.episode, ep_start=w.ep_start,
@@ -414,14 +478,16 @@ class Detector:
             for bit, c in _PAT_KEYS:
                 expected[c] = bool(pattern & bit)
             if pattern & 16:
-                expected[N_FIXED:] = w.lmask
+                expected[N_FIXED:w.le] = w.lmask
+            for i in range(w.nu):
+                expected[w.le + i] = bool(pattern & (_USER_BIT << i))
         steady = expected & (w.cnt >= self._mature_n)
         b = np.where(steady, cfg.scale_alpha, 0.0)
         w.R2[0] = np.where(steady, cfg.alpha, 0.0)
         np.multiply(b, self._A, out=w.R2[1])  # as _general computes it
         w.M2[0] = 1.0
         np.subtract(1.0, b, out=w.M2[1])
-        w.k = self._k(n)
+        w.k = self._k(n, w.le)
         np.copyto(w.y, w.mu, where=~expected)
 
     # -- one step -------------------------------------------------------------------------------
@@ -443,6 +509,15 @@ class Detector:
                 pattern |= 8
             if lr is not None:
                 pattern |= 32
+        uv = None
+        if w.nu and ex and len(ex) > (u is not None) + (p is not None) + (loss_scale is not None) + (lr is not None):
+            uv = []  # (channel, value) of the user signals given
+            ch, le = w.channels, w.le
+            for i in range(w.nu):
+                v = ex.get(ch[le + i])
+                if v is not None:
+                    pattern |= _USER_BIT << i
+                    uv.append((le + i, v))
         nl = w.nl
         if ln is not None and nl:
             if len(ln) != nl:
@@ -476,6 +551,11 @@ class Detector:
                 if not p > 0.0:
                     return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
                 y[3] = _log(p)
+        if uv:
+            for c, v in uv:
+                if not v > 0.0:
+                    return self._general(w, obs, pattern, g, loss, u, p, ln, lnf, loss_scale)
+                y[c] = _log(v)
         if pattern & 16:
             nz = _cnz(ln)
             if nz == nl and w.n_lay == nl:
@@ -528,10 +608,13 @@ class Detector:
         ok = np.ones(T, dtype=bool)
         ex = cols.extras
         fixed = []
+        le = w.le
+        users = tuple((_USER_BIT << i, le + i) for i in range(w.nu))
         for bit, chan, vals, kmask in ((1, GRAD, cols.grad_norm, cols.grad_known),
                                        (2, LOSS, cols.loss, cols.loss_known),
                                        (4, UPDATE, *ex.get("update_norm", (None, None))),
-                                       (8, PARAM, *ex.get("param_norm", (None, None)))):
+                                       (8, PARAM, *ex.get("param_norm", (None, None))),
+                                       *((bit, c, *ex.get(w.channels[c], (None, None))) for bit, c in users)):
             if vals is None:
                 continue
             kn = known(kmask)
@@ -569,12 +652,12 @@ class Detector:
         if "loss_scale" in ex:
             ok &= ~known(ex["loss_scale"][1])  # a scaler reading may be an overflow: per step
         steps = np.asarray(cols.step[start:stop]).astype(np.int64, copy=False)  # as observation() gives it
-        absent = [(c, ab) for c, ab in ((c, (pat & bit) == 0) for bit, c in _PAT_KEYS) if ab.any()]
+        absent = [(c, ab) for c, ab in ((c, (pat & bit) == 0) for bit, c in _PAT_KEYS + users) if ab.any()]
         no_layers = (pat & 16) == 0 if nl else None
         if no_layers is not None and not no_layers.any():
             no_layers = None
         has_zero = np.zeros(T, dtype=bool) if zero is None else zero.any(axis=1)
-        calm_rows, step_fn, mu, mu_lay = self._calm_rows, self._step, w.mu, w.mu[N_FIXED:]
+        calm_rows, step_fn, mu, mu_lay = self._calm_rows, self._step, w.mu, w.mu[N_FIXED:le]
 
         a = 0
         while a < T:
@@ -592,7 +675,7 @@ class Detector:
                 Y[sel, chan] = list(map(_log, vc[sel].tolist()))
             if lay is not None:
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    _np_log(lay[a:b], Y[:, N_FIXED:])
+                    _np_log(lay[a:b], Y[:, N_FIXED:le])
 
             def park(r0: int) -> None:
                 # absent channels sit on their baseline (deviation exactly 0), as _refresh parks
@@ -601,9 +684,9 @@ class Detector:
                 for c, ab in absent:
                     Y[r0:, c][ab[a + r0:b]] = mu[c]
                 if no_layers is not None:
-                    Y[r0:, N_FIXED:][no_layers[a + r0:b]] = mu_lay
+                    Y[r0:, N_FIXED:le][no_layers[a + r0:b]] = mu_lay
                 if zero is not None:
-                    np.copyto(Y[r0:, N_FIXED:], mu_lay, where=zero[a + r0:b])
+                    np.copyto(Y[r0:, N_FIXED:le], mu_lay, where=zero[a + r0:b])
 
             park(0)
             # runs of rows that may be calm under one pattern and one set of zero layers:
@@ -650,9 +733,13 @@ class Detector:
         row, the offline replay with a chunk: one sequence of operations per step for both.
         ``lrs[r]`` is row ``r``'s learning rate (finite, >= 0) when the pattern has one."""
         dev, adev, bb, n, k, mu, wd, fixed = w.dev, w.adev, w.bb, w.n, w.k, w.mu, w.wd, w.fixed
-        kd, S, A, tcap, tk, dh, h, ldiv, dz, hu, t_upd, lrj, lrk, lr_ready, hlo = self._calm_consts
+        kd, S, A, tcap, tk, dh0, h, ldiv, dz, hu, t_upd, lrj, lrk, lr_ready, hlo, dhr, hus, dhn = self._calm_consts
+        if lrs is None:
+            dh0 = dhn  # no LR known: its own together threshold
         h1 = h if pattern & 5 else hlo  # the loss alone: loss_only_h when no gradient is logged
-        c0, c1, c2, c3 = w.cus
+        c0, c1, c2, c3 = w.cus[:N_FIXED]
+        uc = w.cus[N_FIXED:]  # the user signals' CUSUMs ([] without any)
+        uon = pattern >= _USER_BIT  # some user signal given (bits from _USER_BIT up)
         joint = w.joint
         ring, lpos, ln_, lref = w.lr_ring, w.lr_pos, w.lr_n, w.lr_ref
         r = r0
@@ -701,13 +788,30 @@ class Detector:
                     n3 = n3 + (zp if zp < S else S) - kd
                     if n3 < 0.0:
                         n3 = 0.0
+            nuc = None
+            uhit = False
+            if uon:  # the user signals' CUSUMs, as the fixed ones
+                su, du = w.ufix.tolist()
+                nuc = uc[:]
+                for i in range(len(nuc)):
+                    if pattern & (_USER_BIT << i):
+                        zq = du[i] * A / su[i]
+                        v = nuc[i] + (zq if zq < S else S) - kd
+                        nuc[i] = v if v > 0.0 else 0.0
+                        if nuc[i] >= hus:
+                            uhit = True
+            dh = dh0
+            if lrs is not None and ln_ >= lrk:
+                lr = lrs[r]
+                if lr > ring[lpos] and lr >= lref:  # the LR at a new high (see _general)
+                    dh = dhr
             nj = joint
             if zl is not None and zgl is not None:
                 m = zgl if zgl < zl else zl
                 nj = nj + (m if m < tcap else tcap) - tk
                 if nj < 0.0:
                     nj = 0.0
-            if nj >= dh or n0 >= h or n1 >= h1 or n2 >= hu or n3 >= hu or self._force_full:
+            if nj >= dh or n0 >= h or n1 >= h1 or n2 >= hu or n3 >= hu or uhit or self._force_full:
                 break  # a warning may be due: the general path decides and words it
             if lrs is not None:
                 lr = lrs[r]
@@ -735,9 +839,11 @@ class Detector:
             _multiply(S2, w.M2, S2)
             _add(S2, w.P2, S2)
             c0, c1, c2, c3, joint = n0, n1, n2, n3, nj
+            if nuc is not None:
+                uc = nuc
             r += 1
         if r > r0:
-            w.cus = [c0, c1, c2, c3]
+            w.cus = [c0, c1, c2, c3] + uc if uc else [c0, c1, c2, c3]
             w.joint = joint
             w.lr_pos, w.lr_n, w.lr_ref = lpos, ln_, lref
             w.step = steps[r - 1]
@@ -754,13 +860,13 @@ class Detector:
         """Warm-up, spikes, escalations, skipped and non-finite steps: the general, masked path.
         On a calm step it computes exactly what the calm path computes."""
         cfg = self.cfg
-        n, nl = w.n, w.nl
-        k = self._k(n)
+        n, nl, le, nu = w.n, w.nl, w.le, w.nu
+        k = self._k(n, le)
         step = int(obs.step)
         mu, wd, cnt = w.mu, w.wd, w.cnt
 
         # -- the step's values in log space (NaN = absent; a zero norm is absent too) ---------
-        x = [_NAN] * N_FIXED
+        x = [_NAN] * (N_FIXED + nu)  # run-level values as given: the fixed ones, then the user signals
         y = np.full(n, _NAN)
         if loss is not None:
             lv = float(loss)
@@ -773,10 +879,20 @@ class Detector:
                     v = v + w.loss_shift  # as the calm path takes it
                 if v > 0.0:
                     y[c] = _log(v)  # as the calm path takes it (math.log, not np.log)
+        user_bad = []  # user signals given as NaN / inf (absent from every baseline)
+        if pattern >= _USER_BIT:
+            ex = obs.extras
+            for i in range(nu):
+                if pattern & (_USER_BIT << i):
+                    x[N_FIXED + i] = v = float(ex[w.channels[le + i]])
+                    if 0.0 < v < math.inf:
+                        y[le + i] = _log(v)
+                    elif not math.isfinite(v):
+                        user_bad.append(le + i)
         lnv = None
         if pattern & 16:
             lnv = np.asarray(ln, dtype=np.float64)
-            yl = y[N_FIXED:]
+            yl = y[N_FIXED:le]
             np.log(np.maximum(lnv, _TINY), out=yl)  # inf stays inf: a non-finite gradient
             if _cnz(lnv) != nl:
                 yl[lnv == 0.0] = _NAN  # a zero norm ("not computed", a frozen layer) is absent
@@ -850,6 +966,13 @@ class Detector:
             w.S2 *= M2
             w.S2 += P2
 
+        # -- the LR at a new high: above the LR lr_ref_steps back and the highest before it --------
+        rising = False
+        if pattern & 32 and w.lr_n >= self._lr_k:
+            lr_now = float(obs.extras["lr"])
+            if 0.0 <= lr_now < math.inf:
+                rising = lr_now > w.lr_ring[w.lr_pos] and lr_now >= w.lr_ref
+
         # -- run-level CUSUMs and the together evidence (frozen on skipped steps) -------------
         cus = list(w.cus)
         joint = w.joint
@@ -862,6 +985,14 @@ class Detector:
                     cus[c] = v if v > 0.0 else 0.0
                 elif present[c]:
                     cus[c] = 0.0  # warming up
+            for i in range(nu):  # the user signals, as the fixed channels
+                c = le + i
+                if pw[c]:
+                    zc = float(z[c])
+                    v = cus[N_FIXED + i] + (zc if zc < S else S) - kd
+                    cus[N_FIXED + i] = v if v > 0.0 else 0.0
+                elif present[c]:
+                    cus[N_FIXED + i] = 0.0
             zgl = None
             for c in (GRAD, UPDATE):
                 if pwf[c] and (zgl is None or (cfg.update_warns and zf[c] > zgl)):
@@ -872,7 +1003,7 @@ class Detector:
                 joint = joint if joint > 0.0 else 0.0
 
         # -- streaks --------------------------------------------------------------------------
-        prev4 = w.prev[:N_FIXED].tolist()  # the escalation message quotes the step before
+        prev4 = w.prev[:N_FIXED].tolist() + w.prev[le:].tolist()  # the escalation message quotes the step before
         hot = w.hot
         if (any_elev or hot) and not skipped:  # a skipped step leaves the streaks as they were
             streak, grow, prev = w.streak, w.grow, w.prev
@@ -971,19 +1102,22 @@ class Detector:
                 w.episode = True
                 w.ep_start, w.ep_peak_step, w.ep_peak_chan = step, step, peak
                 w.ep_peak_dev, w.ep_warned = float(dev_g[peak]), False
-                w.ep_first_layer = self._first_layer(elev, dev, w.streak)
+                w.ep_first_layer = self._first_layer(elev, dev, w.streak, le)
             elif dev_g[peak] > w.ep_peak_dev:
                 w.ep_peak_step, w.ep_peak_chan, w.ep_peak_dev = step, peak, float(dev_g[peak])
         if since >= cfg.rearm_steps and not skipped:
-            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump, m_now > 0.0)
+            ev = self._warning(obs, w, elev, dev, z, x, y, cus, joint, prev4, k, pattern, lr_jump, m_now > 0.0,
+                               self._rise_h if rising else self._drift_h if pattern & 32 else self._no_lr_h,
+                               user_bad)
             if ev is not None:
                 alerts.append(ev)
                 since = 0
                 w.ep_warned = True
                 # a warning consumes its evidence: another needs the rise to go on
-                cus = [0.0] * N_FIXED
+                cus = [0.0] * (N_FIXED + nu)
                 joint = 0.0
-        if w.episode and not grad_elev and not skipped:
+        if w.episode and not grad_elev and not skipped and present[w.ep_peak_chan]:
+            # (a step without the peak signal, e.g. a user signal not reported, ends nothing)
             if not w.ep_warned:
                 alerts.append(self._spike_event(obs, w))
             w.episode = False
@@ -1001,7 +1135,7 @@ class Detector:
         w.dev_nan = not bool(pw.all())
         w.pattern = pattern
         if pattern & 16:  # layers reporting 0 are absent: the calm path expects the same ones
-            np.copyto(w.lmask, present[N_FIXED:])
+            np.copyto(w.lmask, present[N_FIXED:le])
         else:
             w.lmask[:] = True
         w.n_lay = int(_cnz(w.lmask))
@@ -1010,7 +1144,10 @@ class Detector:
         for bit, c in _PAT_KEYS:
             if pattern & bit and not mature[c]:
                 expected_mature = False
-        if pattern & 16 and not mature[N_FIXED:][w.lmask].all():
+        for i in range(nu):
+            if pattern & (_USER_BIT << i) and not mature[le + i]:
+                expected_mature = False
+        if pattern & 16 and not mature[N_FIXED:le][w.lmask].all():
             expected_mature = False
         w.fast = (expected_mature and not hot and not w.episode and not w.loss_div and not grad_bad
                   and not loss_bad and not overflow and not scale_pending)
@@ -1042,20 +1179,21 @@ class Detector:
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
-    def _first_layer(elev: np.ndarray, dev: np.ndarray, streak: np.ndarray) -> int:
+    def _first_layer(elev: np.ndarray, dev: np.ndarray, streak: np.ndarray, le: int) -> int:
         """Channel index of the layer that moved first: longest current streak, then highest."""
-        lay = np.flatnonzero(elev[N_FIXED:])
+        lay = np.flatnonzero(elev[N_FIXED:le])
         if lay.size == 0:
             return -1
-        order = np.lexsort((-dev[N_FIXED:][lay], -streak[N_FIXED:][lay]))
+        order = np.lexsort((-dev[N_FIXED:le][lay], -streak[N_FIXED:le][lay]))
         return int(lay[order[0]]) + N_FIXED
 
     def _ordered_layers(self, w: _Work, elev, z) -> tuple[str, ...]:
         """Layers that moved, first mover first: elevated longest, then highest now. Without an
         elevated layer, the layers at least two scales above their baselines."""
-        lay_z = np.nan_to_num(z[N_FIXED:], nan=-np.inf)
-        streak = w.streak[N_FIXED:]
-        moved = np.flatnonzero(elev[N_FIXED:])
+        le = w.le
+        lay_z = np.nan_to_num(z[N_FIXED:le], nan=-np.inf)
+        streak = w.streak[N_FIXED:le]
+        moved = np.flatnonzero(elev[N_FIXED:le])
         if moved.size == 0:
             moved = np.flatnonzero(lay_z >= 2.0)
         if moved.size == 0:
@@ -1066,26 +1204,44 @@ class Detector:
         return tuple(out[: self.cfg.max_layers_listed])
 
     def _warning(self, obs, w: _Work, elev, dev, z, x, y, cus, joint, prev4,
-                 k: _Consts, pattern: int, lr_jump, rising_now: bool) -> Event | None:
-        """A COLLAPSE_RISK event if a warning rule holds at this step, else None."""
+                 k: _Consts, pattern: int, lr_jump, rising_now: bool, drift_h: float,
+                 user_bad: Sequence[int] = ()) -> Event | None:
+        """A COLLAPSE_RISK event if a warning rule holds at this step, else None. ``x``, ``cus``
+        and ``prev4`` hold the run-level channels: the four fixed ones, then the user signals."""
         cfg = self.cfg
+        le = w.le
         hl = self._alone_h if pattern & 5 else self._loss_only_h
         h_of = {GRAD: self._alone_h, LOSS: hl, UPDATE: self._alone_u, PARAM: self._alone_u}
         alone = [c for c in (GRAD, UPDATE, LOSS, PARAM) if cus[c] >= h_of[c]]
-        if not (joint >= cfg.drift_h or alone or _cnz(elev) or lr_jump):
+        alone += [le + i for i in range(w.nu) if cus[N_FIXED + i] >= cfg.user_alone_h]
+        if not (joint >= drift_h or alone or _cnz(elev) or lr_jump or user_bad):
             return None
+
+        def run_index(c: int) -> int:  # position of a run-level channel in x / cus / prev4
+            return c if c < N_FIXED else N_FIXED + c - le
         streak, grow = w.streak, w.grow
         fx = k.warns  # per-layer signals never warn on their own
         esc = fx & elev & (grow >= cfg.escalate_steps) & (dev >= k.lwarn)
         jump = fx & elev & k.gradlike & (dev >= self._log_jump)
-        together = joint >= cfg.drift_h and rising_now  # not on the step the values came back
+        together = joint >= drift_h and rising_now  # not on the step the values came back
         n_hot_layers = 0
         multi = False
         if w.nl and cfg.layers_at_once:
-            n_hot_layers = int(np.count_nonzero(elev[N_FIXED:] & (dev[N_FIXED:] >= k.lwarn[N_FIXED:])))
+            n_hot_layers = int(np.count_nonzero(elev[N_FIXED:le] & (dev[N_FIXED:le] >= k.lwarn[N_FIXED:le])))
             multi = n_hot_layers >= cfg.layers_at_once
         act = "save a checkpoint now and be ready to rewind; consider lowering the learning rate"
         if not (esc.any() or jump.any() or together or alone or multi):
+            if user_bad:
+                c = user_bad[0]
+                v = float(x[run_index(c)])
+                return Event(
+                    step=int(obs.step), kind=Kind.COLLAPSE_RISK, level=Level.WARNING, signal=w.channels[c],
+                    layers=(),
+                    message=(f"{w.channels[c]} is {_fmt(v)} at step {obs.step} (a signal you report); "
+                             f"collapse risk, {act}."),
+                    values={"value": v, "baseline": math.exp(float(w.mu[c])) if w.cnt[c] > 0 else _NAN,
+                            "ratio": _NAN, "z": _NAN, "cusum": _NAN, "steps": 1.0, "layers_elevated": 0.0},
+                    batch=obs.batch)
             if lr_jump is None:
                 return None
             lr, ref = lr_jump
@@ -1099,7 +1255,7 @@ class Detector:
                 batch=obs.batch)
 
         def pick(mask: np.ndarray) -> int:
-            for c in (GRAD, UPDATE, LOSS, PARAM):
+            for c in (GRAD, UPDATE, LOSS, PARAM, *range(le, w.n)):
                 if mask[c]:
                     return c
             return GRAD
@@ -1124,10 +1280,10 @@ class Detector:
         base = math.exp(float(y[chan]) - d) if math.isfinite(d) else _NAN
         if chan == LOSS:
             base -= w.loss_shift
-        value = float(x[chan]) if chan < N_FIXED else _NAN
+        value = float(x[run_index(chan)]) if chan < N_FIXED or chan >= le else _NAN
         where = f", led by {layers[0]}" if layers else ""
         if rule == "escalating":
-            prev_ratio = math.exp(prev4[chan])
+            prev_ratio = math.exp(prev4[run_index(chan)])
             msg = (f"{signal} is escalating: {_times(prev_ratio)} -> {_times(ratio)} its baseline "
                    f"({_fmt(base)} -> {_fmt(value)}), {int(grow[chan])} growing steps in a row{where}; "
                    f"collapse risk, {act}.")
@@ -1150,9 +1306,9 @@ class Detector:
             signal=signal, layers=layers,
             values={"value": value, "baseline": base, "ratio": ratio,
                     "z": zc if math.isfinite(zc) else _NAN,
-                    "cusum": float(joint if rule == "together" else cus[chan]),
+                    "cusum": float(joint if rule == "together" else cus[run_index(chan)]),
                     "steps": float(max(streak[chan], grow[chan])),
-                    "layers_elevated": float(int(np.count_nonzero(elev[N_FIXED:])))},
+                    "layers_elevated": float(int(np.count_nonzero(elev[N_FIXED:le])))},
             batch=obs.batch)
 
     def _spike_event(self, obs, w: _Work) -> Event:
@@ -1164,7 +1320,7 @@ class Detector:
         layers: tuple[str, ...] = ()
         if first >= 0:
             layers = (w.channels[first][len("grad_norm/"):],)
-        if chan >= N_FIXED and (not layers or w.channels[chan][len("grad_norm/"):] != layers[0]):
+        if N_FIXED <= chan < w.le and (not layers or w.channels[chan][len("grad_norm/"):] != layers[0]):
             layers = layers + (w.channels[chan][len("grad_norm/"):],)
         dur = int(obs.step) - start
         where = f" (first in {layers[0]})" if layers else ""
@@ -1179,7 +1335,7 @@ class Detector:
 
     @staticmethod
     def _nonfinite_layers(w: _Work, ln, lnf) -> tuple[str, ...]:
-        names = w.channels[N_FIXED:]
+        names = w.channels[N_FIXED:w.le]
         if not names:
             return ()
         bad = None
@@ -1231,7 +1387,8 @@ class StreamingDetector:
     The live hook and the offline replay both use this class, so both see the same alerts. It
     updates one working state in place (no per-step allocation); ``state`` returns a snapshot.
     With no ``layer_names``, the first observation that carries layer norms names them
-    ``layer0, layer1, ...``.
+    ``layer0, layer1, ...``. A user signal (``extras["user/<name>"]``) gets its channel at the
+    first observation that carries it.
     """
 
     def __init__(self, cfg: DetectorConfig | None = None, layer_names: Sequence[str] = (),
@@ -1252,11 +1409,25 @@ class StreamingDetector:
                 names = [f"layer{i}" for i in range(len(obs.layer_norms))]
                 self._w = self.detector._load(self.detector.init(names, self._baseline))
                 self._lazy = False
+            if obs.extras:
+                self._add_users(self.detector._new_users(self._w, obs.extras))
             alerts = self._step(self._w, obs)
             if self._w.step >= 0:
                 self._lazy = False  # a run without layer norms stays without them
             return alerts
+        ex = obs.extras
+        if ex:
+            us = self._w.uset
+            for key in ex:
+                if key.startswith(USER) and key not in us:
+                    self._add_users(self.detector._new_users(self._w, ex))
+                    break
         return self._step(self._w, obs)
+
+    def _add_users(self, names: Sequence[str]) -> None:
+        if names:
+            d = self.detector
+            self._w = d._load(with_user_signals(d._snapshot(self._w), names, d._scale0, d._A))
 
     def observe_columns(self, cols: StepColumns, start: int = 0, stop: int | None = None) -> list[tuple[int, Event]]:
         """Rows ``[start, stop)`` of a logged run, in order: exactly what calling
@@ -1269,7 +1440,19 @@ class StreamingDetector:
         while self._lazy and start < stop:  # the first rows decide the layer names
             out.extend((start, e) for e in self.observe(cols.observation(start)))
             start += 1
-        out.extend(self.detector._columns(self._w, cols, start, stop))
+        while start < stop:
+            # a user signal gets its channel at its first known row, as observe() gives it one
+            first: dict[int, list[str]] = {}
+            for key, (_, known) in cols.extras.items():
+                if key.startswith(USER) and key not in self._w.uset:
+                    kn = np.ones(stop - start, dtype=bool) if known is None else np.asarray(known[start:stop], dtype=bool)
+                    if kn.any():
+                        first.setdefault(start + int(np.argmax(kn)), []).append(key)
+            r = min(first) if first else stop
+            out.extend(self.detector._columns(self._w, cols, start, r))
+            if r < stop:
+                self._add_users(first[r])
+            start = r
         return out
 
     @property
@@ -1307,7 +1490,12 @@ class StreamingDetector:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        return tuple(c[len("grad_norm/"):] for c in self._w.channels[N_FIXED:])
+        return tuple(c[len("grad_norm/"):] for c in self._w.channels[N_FIXED:self._w.le])
+
+    @property
+    def user_names(self) -> tuple[str, ...]:
+        """The user signals seen so far, as ``"user/<name>"``."""
+        return self._w.channels[self._w.le:]
 
     def baselines(self) -> dict[str, float]:
         """Current typical value per signal (only signals that have data)."""

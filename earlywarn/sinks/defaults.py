@@ -128,6 +128,7 @@ def with_default_locations(specs: Iterable[str | Sink], options_by_name: Mapping
             and not mlflow_configured()):
         uri = embedded_mlflow_uri(folder)
         out.setdefault("mlflow", {})["tracking_uri"] = uri
+        out["mlflow"].setdefault("artifact_location", (folder / "mlruns").as_uri())  # not ./mlruns
         placed["mlflow"] = f"mlflow.db (MLflow store; to look: {mlflow_ui_command(uri)})"
         # A new store logs its table creation at INFO through mlflow's own handler: not news.
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
