@@ -423,7 +423,7 @@ class Watcher:
         levels = self._step_levels
         if levels.halted and levels.step is not None:
             # A halted step never reached _log_metrics: its row (level, counters) is logged here.
-            self._log_metrics(levels.step, None)
+            self._log_metrics(levels.step - self._log_offset, None)  # levels count on the run's clock
         deadline = time.monotonic() + timeout
         for sink in self.sinks:
             _safe(sink, "flush", max(deadline - time.monotonic(), 0.0))
@@ -1006,7 +1006,7 @@ class Watcher:
             layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
             score=None if obs is None else self.detector.score, level=level,
             counters=self.counters, config=self.metrics_config,
-            user={k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
+            user=None if obs is None else {k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
         )
         for sink in self.sinks:
             _safe(sink, "log_metrics", step, metrics)
