@@ -871,7 +871,7 @@ class Watcher:
             layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
             score=None if obs is None else self.detector.score, level=level,
             counters=self.counters, config=self.metrics_config,
-            user={k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
+            user=None if obs is None else {k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
         )
         for sink in self.sinks:
             _safe(sink, "log_metrics", step, metrics)
