@@ -25,6 +25,7 @@ _LAZY = {
     "ResumableLoader": "earlywarn.recover.data",
     "RecoveryConfig": "earlywarn.recover",
     "Halt": "earlywarn.recover",
+    "LoopState": "earlywarn.recover.loopstate",
     "DetectorConfig": "earlywarn.detect",
     "PolicyConfig": "earlywarn.policy",
     "MetricsConfig": "earlywarn.metrics",

@@ -235,13 +235,21 @@ class Watcher:
             "nonfinite_steps": 0, "alerts_info": 0, "alerts_warning": 0, "alerts_critical": 0,
         }
         self._step_levels = StepLevels()  # alert_level of the row being built (see _emit, _log_metrics)
-        self._step = 0  # optimizer steps seen, monotonic (never rewound: trackers drop lower steps)
+        self._step = 0  # the training step (a rewind sets it back; events and metrics: _log_offset)
         self._loss: torch.Tensor | None = None  # sum of the losses reported since the last step
         self._loss_count = 0
         self._user_names: list[str] = []  # user signals ("user/<name>"), in the order first reported
         self._user_acc: dict[str, list] = {}  # name -> [sum, count] of the values reported since the last step
-        self._last_alert_step: int | None = None
-        self._incident_start: tuple[int, Any] | None = None  # (step, batch) of the first alert of an episode
+        self._alert_step: int | None = None  # step of the latest alert, any level
+        self._unclean_step: int | None = None  # ... of warning-or-worse ones: no snapshot for clean_window
+        self._incident_step: int | None = None  # ... of those that are an incident (not a skipped bad step)
+        self._incident_onset: int | None = None  # first abnormal step of the incident in progress
+        self._rewind_callbacks: list[Callable[[Any], None]] = []
+        self._input_hook: Any = None
+        self._elevated = False  # the latest step judged had a gradient signal elevated (a spike)
+        # Events and metrics go out on the run's own clock, which never goes back: a rewind sets
+        # the training step back (ew.step), not the step trackers and logs count (log = step + offset).
+        self._log_offset = 0
         self._scaler_observed: tuple[bool] | None = None
         self._deferring = False
         self._recorded: PendingStep | None = None
@@ -273,7 +281,9 @@ class Watcher:
         # It is the optimizer's own bound method (see _watched_step), so wrappers that rebind
         # `optimizer.step.__func__` to the optimizer (LR schedulers do) keep working.
         below = _step_below(optimizer)
-        self._orig_step = below if below is not None else types.MethodType(type(optimizer).step, optimizer)
+        # the real step, with the learning rate a recurrence may lower applied around it
+        self._orig_step = self.recovery.wrap_step(
+            below if below is not None else types.MethodType(type(optimizer).step, optimizer))
         optimizer.step = types.MethodType(_watched_step_fn(), optimizer)  # type: ignore[method-assign]
         optimizer._earlywarn_watcher = self  # type: ignore[attr-defined]
         if self.scaler is not None:
@@ -285,6 +295,12 @@ class Watcher:
         try:
             specs = config.sinks if config.sinks is not None else default_sink_specs()
             self.sinks = build_sinks(specs, config.sink_options, rank=self.rank)
+            # the snapshot cadence and host-RAM budget, once (a note on the console; a warning if short)
+            console = next((s for s in self.sinks if s.name == "console" and hasattr(s, "write")), None)
+            self.recovery.report_plan(self._step, write=None if console is None else console.write)
+            if not self.recovery.data.restorable and self.recovery.config.fingerprint_inputs:
+                # no loader names the batches: fingerprint the model's inputs (on the device, no sync)
+                self._input_hook = model.register_forward_pre_hook(_input_fingerprint(self), with_kwargs=True)
             # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
             if optimizer.state:
                 report = self.recovery.repair(self._step)
@@ -297,10 +313,43 @@ class Watcher:
     # ------------------------------------------------------------------ public API
     @property
     def step(self) -> int:
-        """Optimizer steps seen so far (skipped ones included). Never decreases, except that in
-        async mode a rewind also undoes the steps still in flight (never logged): the count goes
-        on from the incident step, as in sync mode."""
+        """The step the next ``optimizer.step()`` is: steps taken on the current trajectory,
+        skipped ones included. A rewind sets it back to the restored snapshot's step + 1, so a
+        loop that computes its schedule from it follows the model (nanoGPT:
+        ``iter_num = ew.step`` at the top of the loop). In async mode the steps still in flight
+        at a rewind are undone with it (never judged nor logged). Events and tracker metrics
+        keep the run's own clock, which never goes back: after a rewind from step 152 to the
+        snapshot of step 125, ``step`` is 126 and the next metrics are logged at 153."""
         return self._step
+
+    def on_rewind(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Call ``callback(report)`` after every rewind (an :class:`earlywarn.recover.RewindReport`:
+        ``report.resume_step`` is the step training continues at, ``report.lost_steps`` ...), so
+        loop-owned state can follow: ``ew.on_rewind(lambda r: sched.resync(r.resume_step))``.
+        It runs inside ``optimizer.step()``; returns ``callback`` (usable as a decorator)."""
+        if not callable(callback):
+            raise TypeError(f"on_rewind takes a callable, got {type(callback).__name__}")
+        self._rewind_callbacks.append(callback)
+        return callback
+
+    def report_batch(self, batch: Any) -> None:
+        """Tell earlywarn this step's batch (a tensor, or tuples / lists / dicts of them; call
+        once per micro-batch). Only a fingerprint is kept, computed on the device with no host
+        sync; skipped and quarantined batches are named by it when no loader can name them.
+        The first call replaces the automatic fingerprint of the model's inputs."""
+        fps = self.recovery.fingerprints
+        if not fps.explicit:
+            fps.use_explicit()
+            if self._input_hook is not None:
+                self._input_hook.remove()
+                self._input_hook = None
+        fps.observe(batch)
+
+    @property
+    def lr_factor(self) -> float:
+        """The factor earlywarn applies to the learning rate around each optimizer step now
+        (1.0 unless a recurrence lowered it, ``RecoveryConfig(on_recurrence="lower_lr")``)."""
+        return self.recovery.lr_factor
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Tell earlywarn this step's loss. A tensor is kept on the device (no host sync) and read
@@ -374,7 +423,7 @@ class Watcher:
         levels = self._step_levels
         if levels.halted and levels.step is not None:
             # A halted step never reached _log_metrics: its row (level, counters) is logged here.
-            self._log_metrics(levels.step, None)
+            self._log_metrics(levels.step - self._log_offset, None)  # levels count on the run's clock
         deadline = time.monotonic() + timeout
         for sink in self.sinks:
             _safe(sink, "flush", max(deadline - time.monotonic(), 0.0))
@@ -391,6 +440,9 @@ class Watcher:
             for h in self._order_hooks:
                 h.remove()
             self._order_hooks = []
+            if self._input_hook is not None:
+                self._input_hook.remove()
+                self._input_hook = None
             opt = self.optimizer
             if _is_watched_step(opt.__dict__.get("step")):
                 below = opt.__dict__.pop(_BELOW, None)
@@ -495,6 +547,7 @@ class Watcher:
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
         tag.users = users
         tag.inv_scale, tag.gen = inv_scale, self._gen
+        self.recovery.fingerprints.bind(self._step)  # what the forward passes since the last step saw
         self._step += 1
         return vec, tag
 
@@ -572,7 +625,8 @@ class Watcher:
             return None
         ret = self._fused_step(found, args, kwargs) if found is not None else self._orig_step(*args, **kwargs)
         if record is not None and record.gen == self._gen:
-            self.recovery.record_step(record.step, maybe_clean=self._maybe_clean(record.step))
+            self.recovery.record_step(record.step, maybe_clean=self._maybe_clean(record.step),
+                                      building=self._building_at(record.step))
         return ret
 
     def _fused_step(self, found: torch.Tensor, args: Any, kwargs: Any) -> Any:
@@ -610,9 +664,16 @@ class Watcher:
             self._flags = (torch.zeros((), device=dev), torch.ones((), device=dev))
         return self._flags[int(skip)]
 
+    def _building_at(self, step: int) -> bool:
+        # An episode may be building at `step`: an alert of any level within clean_window steps
+        # (after a rewind, through the steps that come again: their step is below the alert's),
+        # or a gradient elevated at the latest step judged (async mode: a step or two back).
+        a = self._alert_step
+        return (a is not None and step - a <= self.recovery.config.clean_window) or self._elevated
+
     def _maybe_clean(self, step: int) -> bool:
         # What is known when a step's update is queued (async mode: earlier steps judged so far).
-        return self._last_alert_step is None or step - self._last_alert_step > self.recovery.config.clean_window
+        return self._unclean_step is None or step - self._unclean_step > self.recovery.config.clean_window
 
     # ------------------------------------------------------------------ decide now, apply later
     def decide_step(self) -> "PendingStep":
@@ -704,17 +765,38 @@ class Watcher:
     def _decide(self, host: np.ndarray, tag: _Tag) -> "_Decision":
         obs = self._observation(host, tag)
         alerts = self.detector.observe(obs)
-        actions = set(self.policy.decide(tag.step, alerts))
         nonfinite = not obs.grad_finite
+        loss_bad = obs.loss is not None and not math.isfinite(obs.loss)
         overflow = not nonfinite and bool(np.any(host[:self.layer_map.num_layers] > _SQ_OVERFLOW))
+        scan = None
+        if loss_bad or (nonfinite and self.scaler is None):
+            # Rare path: was anything written? Finite parameters and optimizer state mean the bad
+            # step was never applied: one bad batch, skipped, not a reason to rewind.
+            scan = self.recovery.scan()
+        state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
+        # ...unless an incident is in progress (a divergence, a warning): then finite is not fine
+        window = self.recovery.config.clean_window
+        if self._incident_step is not None and tag.step - self._incident_step <= window:
+            state_finite = None if state_finite else state_finite
+        actions = set(self.policy.decide(tag.step, alerts, state_finite=state_finite, skipped=overflow))
         decision = _Decision(obs=obs, alerts=alerts, actions=actions,
-                             skip=nonfinite or overflow or Action.SKIP in actions,
-                             rewind=Action.REWIND in actions, nonfinite=nonfinite, overflow=overflow)
+                             skip=nonfinite or overflow or loss_bad or Action.SKIP in actions,
+                             rewind=Action.REWIND in actions, nonfinite=nonfinite, overflow=overflow,
+                             loss_bad=loss_bad, scan=scan, bad_batch=bool(state_finite))
         for alert in alerts:
             self._emit(alert)
+        for note in self.policy.suppressed:  # an action a critical alert asked for, not taken: say why
+            self._emit(Event(step=tag.step, kind=Kind.REWIND, level=Level.WARNING, signal="policy",
+                             message=f"{note}: not rewinding; "
+                                     + ("the step is skipped" if decision.skip else "the step is applied as usual"),
+                             values={"rewound": 0.0}, batch=_batch_index(tag.batch)))
         if Action.HALT in actions:
-            self._halt(tag, f"policy halted the run at step {tag.step} after {self.counters['rewinds']} rewinds")
-        if Action.CHECKPOINT in actions:
+            why = (self.recovery.recurrence_of(tag.step, _reason(decision)) or self.recovery.lr_trend(tag.step)).rstrip(".")
+            self._halt(tag, f"policy halted the run at step {tag.step}: {self.policy.halt_reason or 'configured'}; "
+                            f"rewinds so far: {self.recovery.describe_rewinds()}. {why}. "
+                            "The instability keeps coming back: lower the learning rate or inspect the quarantined "
+                            f"batches in {self.recovery.quarantine_path}, then resume from the last clean checkpoint.")
+        if Action.CHECKPOINT in actions and Action.REWIND not in actions:
             # Before this step's update is applied: the run is still clean now. Its CHECKPOINT
             # event (counted and sent to the sinks in _emit) comes from recovery.
             self.recovery.checkpoint(tag.step, reason="warning")
@@ -725,19 +807,40 @@ class Watcher:
         if decision.skip:
             self.counters["skipped_steps"] += 1
             self._emit_skip(tag, decision)
+            if decision.bad_batch:
+                # one bad batch (the state was verified finite, no incident in progress): buffers
+                # its forward poisoned (BatchNorm statistics) are copied back; it is never trained
+                scan = decision.scan
+                if scan is not None and scan.buffers:
+                    if self.recovery.repair(tag.step, scan=scan, incident=False).repaired:
+                        self.counters["repaired_steps"] += 1
+                what = "non-finite loss" if decision.loss_bad else "non-finite gradient"
+                self.recovery.quarantine_batch(
+                    tag.step, f"{what}: bad batch",
+                    note=" (parameters and optimizer state finite: the step was skipped before anything was "
+                         "written, nothing rewound)")
         if decision.nonfinite:
             self.counters["nonfinite_steps"] += 1
+        window = self.recovery.config.clean_window
         if decision.alerts:
-            self._last_alert_step = tag.step
-            # An episode starts at its first warning-or-worse alert (info spikes do not count).
-            if self._incident_start is None and any(a.level >= Level.WARNING for a in decision.alerts):
-                self._incident_start = (tag.step, tag.batch)
-        clean = self._last_alert_step is None or tag.step - self._last_alert_step > self.recovery.config.clean_window
-        if clean:
-            self._incident_start = None
+            self._alert_step = tag.step
+            # Info spikes that recovered leave snapshots clean; warning-or-worse alerts hold them
+            # off for clean_window steps. An incident is such an alert that is not a non-finite
+            # step skipped before anything was written (a bad batch): its onset is tracked.
+            if any(a.level >= Level.WARNING for a in decision.alerts):
+                self._unclean_step = tag.step
+            serious = [a for a in decision.alerts if a.level >= Level.WARNING and a.kind not in _SKIPPED_KINDS]
+            if serious:
+                self._incident_step = tag.step
+                onset = _onset(tag.step, serious)
+                self._incident_onset = onset if self._incident_onset is None else min(self._incident_onset, onset)
+        if self._incident_step is None or tag.step - self._incident_step > window:
+            self._incident_onset = None
+        clean = self._unclean_step is None or tag.step - self._unclean_step > window
+        self._elevated = self.detector.score >= self.detector.cfg.spike_z
         self.counters["steps"] = self._step
         self._log_metrics(tag.step, obs)
-        self.recovery.after_step(tag.step, clean=clean and not decision.skip)
+        self.recovery.after_step(tag.step, clean=clean and not decision.skip, building=self._building_at(tag.step))
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
         """Async mode: a step's vector arrived late (its update, and maybe later ones, already
@@ -753,39 +856,63 @@ class Watcher:
             self._run_rewind_or_repair(tag, decision)
             if self.recovery.rewinds != rewinds:
                 # The steps still in flight belong to the undone trajectory: never judged nor
-                # logged, so the count goes on from the incident step, as in sync mode.
+                # logged (the rewind set the step back to the restored snapshot's, as in sync mode).
                 self._gen += 1
-                self._step = self.counters["steps"] = tag.step + 1
             return
         self._after_step(tag, decision)
 
     def _run_rewind_or_repair(self, tag: _Tag, decision: "_Decision") -> None:
         # Poisoned optimizer state with finite params: repair in place and keep the progress.
-        # Anything else (params non-finite, a divergence): rewind to the last clean state.
-        self.counters["nonfinite_steps"] += int(decision.nonfinite)
-        scan = self.recovery.scan()
-        if scan.state_poisoned and not scan.params_poisoned and decision.nonfinite:
+        # Anything else (params non-finite, a divergence, a non-finite streak): rewind to the
+        # newest clean snapshot taken before the incident began.
+        scan = decision.scan  # taken on a non-finite step; a finite divergence needs none here
+        triggers = set(self.policy.rewind_triggers)
+        lone = not triggers & {"nonfinite_streak", str(Kind.LOSS_DIVERGED), str(Kind.COLLAPSE_RISK)}
+        if scan is not None and scan.state_poisoned and not scan.params_poisoned and lone:
             self.recovery.repair(tag.step, scan=scan)
+            self.policy.withdraw_rewind()
             self.counters["repaired_steps"] += 1
-            self.counters["skipped_steps"] += 1
-            self._emit_skip(tag, decision)
-        else:
-            try:
-                self.recovery.rewind(tag.step, reason=_reason(decision), blame=self._blame(tag, decision, scan))
-            except Halt as exc:
-                self._halt(tag, str(exc), cause=exc)
-            self.counters["rewinds"] += 1
+            decision.skip, decision.bad_batch = True, False  # repaired: not a bad batch to quarantine
+            self._after_step(tag, decision)
+            return
+        self.counters["nonfinite_steps"] += int(decision.nonfinite)
+        onset = _onset(tag.step, [a for a in decision.alerts if a.level >= Level.WARNING])
+        if "nonfinite_streak" in triggers:
+            onset = min(onset, tag.step - self.policy.rewind_streak + 1)
+        if self._incident_onset is not None:
+            onset = min(onset, self._incident_onset)
+        try:
+            # a finite loss and finite gradients came from finite weights: no scan to take
+            known_finite = scan is None and not (decision.nonfinite or decision.loss_bad or decision.overflow)
+            report = self.recovery.rewind(tag.step, reason=_reason(decision), onset=max(0, onset), scan=scan,
+                                          known_finite=known_finite,
+                                          blame=self._blame(tag, decision, scan, max(0, onset)))
+        except Halt as exc:
+            self._halt(tag, str(exc), cause=exc)
+        self.counters["rewinds"] += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.counters["steps"] = self._step
         self._log_metrics(tag.step, decision.obs)
+        # the training step goes back (the loop's schedule can follow: ew.step); the run's clock
+        # for events and metrics goes on from the incident's
+        self._log_offset += tag.step + 1 - report.resume_step
+        self._step = report.resume_step
+        self.counters["steps"] = self._step
+        # the restored state is clean: what comes next is judged afresh (a recurrence is the
+        # recovery's to diagnose); snapshots stay at the faster cadence for a while (_alert_step)
+        self._incident_onset = self._incident_step = self._unclean_step = None
+        for callback in self._rewind_callbacks:
+            callback(report)
 
-    def _blame(self, tag: _Tag, decision: "_Decision", scan: Any) -> Any:
-        """Who is responsible: the step where the episode's first warning fired; else, when the
-        symptom is a non-finite loss or poisoned parameters, the last step that was applied
-        (its update wrote the damage); else this step's own batch."""
+    def _blame(self, tag: _Tag, decision: "_Decision", scan: Any, onset: int) -> Any:
+        """Who is responsible: when the symptom is a non-finite loss or poisoned parameters,
+        the last step that was applied (its update wrote the damage); else the step where the
+        incident began (a divergence may be a hyperparameter's fault: "the episode began with");
+        else this step's own batch."""
         kinds = {a.kind for a in decision.alerts}
-        # Poisoned state names its own origin; otherwise the layer whose gradient moved first.
-        layer = scan.first_layer or next((a.layer for a in decision.alerts if a.layer), None)
+        # Poisoned state names its own origin (the rewind adds it when it scans); otherwise the
+        # layer whose gradient moved first.
+        poisoned = scan is not None and scan.params_poisoned
+        layer = (scan.first_layer if scan is not None else None) or next((a.layer for a in decision.alerts if a.layer), None)
         if Kind.LOSS_NONFINITE in kinds:
             symptom = "the loss turned NaN" if decision.obs.loss is not None and math.isnan(decision.obs.loss) else "the loss turned non-finite"
         elif Kind.LOSS_DIVERGED in kinds:
@@ -794,19 +921,20 @@ class Watcher:
             symptom = "gradients turned non-finite"
         else:
             symptom = "the incident"
-        if self._incident_start is not None and self._incident_start[0] < tag.step:
-            responsible = self._incident_start[0]
-        elif scan.params_poisoned or Kind.LOSS_NONFINITE in kinds:
+        role = "the batch responsible"
+        if poisoned or Kind.LOSS_NONFINITE in kinds:
             responsible = max(tag.step - 1, 0)
+        elif onset < tag.step:
+            responsible, role = onset, "the episode began with"
         else:
             responsible = tag.step
-        return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step)
+        return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step, role=role)
 
     def _halt(self, tag: _Tag, message: str, cause: BaseException | None = None) -> None:
         event = Event(step=tag.step, kind=Kind.HALT, level=Level.CRITICAL, message=message, batch=_batch_index(tag.batch))
         self._emit(event)
         self.flush()
-        raise Halt(message) from cause
+        raise Halt(message, step=tag.step, reason=cause.reason if isinstance(cause, Halt) else "policy") from cause
 
     def _emit_skip(self, tag: _Tag, decision: "_Decision") -> None:
         obs = decision.obs
@@ -822,8 +950,12 @@ class Watcher:
                     "float32, so the optimizer's second moments would turn inf)")
         else:
             what = "gradient spike"
-        # Without a restorable loader the batch is known only by its position in the step count.
-        batch = str(tag.batch) if tag.batch is not None else f"batch #{tag.step} (counting optimizer steps)"
+        # Without a restorable loader the batch is known by its step (and fingerprint, when seen).
+        if tag.batch is not None:
+            batch = str(tag.batch)
+        else:
+            ref = self.recovery.batch_at(tag.step)
+            batch = f"the batch drawn for step {tag.step}" + (f" (fingerprint {ref.fingerprint})" if ref else "")
         level = Level.CRITICAL if decision.nonfinite else Level.WARNING
         if self.scaler is not None and decision.nonfinite:
             # The scaler doing its job (start-up, after each scale growth): info. A scale that
@@ -846,6 +978,8 @@ class Watcher:
         return [self.layer_names[i] for i in idx]
 
     def _emit(self, event: Event) -> None:
+        if self._log_offset and event.step >= 0:
+            event = dataclasses.replace(event, step=event.step + self._log_offset)
         self.events.append(event)
         if event.kind in (Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
                           Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW):
@@ -862,6 +996,7 @@ class Watcher:
                 _safe(sink, "checkpoint", event.step, path, event.signal or "checkpoint")
 
     def _log_metrics(self, step: int, obs: Observation | None) -> None:
+        step += self._log_offset  # the run's clock (see _log_offset)
         level = self._step_levels.take()
         if not any(_takes_metrics(sink) for sink in self.sinks):
             return  # no sink does anything with metrics (console only, say): build nothing
@@ -969,13 +1104,14 @@ class _Counters:
         self._w = watcher
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._w._step, "counters": dict(self._w.counters)}
+        return {"step": self._w._step, "counters": dict(self._w.counters), "log_offset": self._w._log_offset}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # Only a resume loads this (rewinds keep the live counters: keep_on_rewind). The step never
         # goes back: trackers drop rows whose step is lower than one already logged.
         self._w.counters.update(state["counters"])
         self._w._step = max(self._w._step, int(state["step"]))
+        self._w._log_offset = max(self._w._log_offset, int(state.get("log_offset", 0)))
         self._w.counters["steps"] = self._w._step
 
 
@@ -998,12 +1134,46 @@ class _Decision:
     rewind: bool
     nonfinite: bool
     overflow: bool = False  # finite, but a layer's squared norm overflows float32 (|g| >~ 1.8e19)
+    loss_bad: bool = False
+    scan: Any = None  # the state scan of a non-finite step (None: not taken)
+    bad_batch: bool = False  # a lone non-finite step with the state verified finite: the batch's fault
 
 
 # A finite gradient whose square overflows float32 poisons every second-moment state (Adam's v,
 # Adagrad's sum, Adafactor's row/col variances become inf, then NaN): it is skipped like a
 # non-finite one, and reported as the huge finite spike it is.
 _SQ_OVERFLOW = float(np.finfo(np.float32).max)
+
+# non-finite steps are skipped before anything is written: on their own they are no incident
+_SKIPPED_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE, Kind.SCALER_OVERFLOW})
+
+
+def _onset(step: int, alerts: Sequence[Event]) -> int:
+    """The first abnormal step the alerts speak of: an alert that counts consecutive steps
+    (an escalation, a divergence, a non-finite streak: ``values["steps"]``) began that many back."""
+    onset = step
+    for a in alerts:
+        n = a.values.get("steps", 1.0)
+        n = int(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 1 else 1
+        onset = min(onset, int(a.step) - n + 1)
+    return onset
+
+
+def _input_fingerprint(watcher: "Watcher") -> Callable[..., None]:
+    """A forward pre-hook folding the model's inputs (its first tensor argument) into the
+    step's batch fingerprint: training forwards only, on the device, no host sync."""
+    fps = watcher.recovery.fingerprints
+
+    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.is_grad_enabled() and not fps.explicit:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is None:
+                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            if first is not None:
+                fps.observe(first)
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if disable is not None else hook  # never traced into a compiled model
 
 
 def _reason(decision: _Decision) -> str:

@@ -59,7 +59,10 @@ class PolicyConfig:
     limit."""
 
     on_loss_nonfinite: Action | str = Action.REWIND
-    """LOSS_NONFINITE (critical): the weights are suspect; rewind to the last clean checkpoint."""
+    """LOSS_NONFINITE (critical): the weights are suspect; rewind to the last clean checkpoint.
+    The guard checks first: when parameters and optimizer state are finite the bad step was
+    never applied and one batch is at fault -- it skips that step, quarantines the batch and
+    withdraws the rewind (:meth:`Policy.withdraw_rewind`)."""
 
     on_loss_diverged: Action | str = Action.REWIND
     """LOSS_DIVERGED (critical): a divergence that did not recover; rewind."""
@@ -71,8 +74,9 @@ class PolicyConfig:
     """SCALER_OVERFLOW (info): the fp16 scaler already skipped the step and lowered its scale."""
 
     rewind_after_nonfinite: int = 3
-    """Consecutive steps with a non-finite gradient after which skipping is not enough and the
-    policy rewinds (the run, not one batch, is broken). 0 disables."""
+    """Consecutive steps with a non-finite gradient or loss (or a gradient the guard skips as
+    too large) after which skipping is not enough and the policy rewinds (the run, not one
+    batch, is broken). 0 disables."""
 
     checkpoint_cooldown: int = 200
     """Minimum steps between two warning checkpoints (a spiky phase must not write one per
@@ -88,9 +92,11 @@ class PolicyConfig:
     checkpoint_window: int = 10_000
     """Window of the checkpoint rate limit, in steps."""
 
-    rewind_cooldown: int = 20
-    """After a rewind, rewind triggers are ignored for this many steps (the restored run needs a
-    few steps before the same condition means something new)."""
+    rewind_cooldown: int = 0
+    """After a rewind, rewind triggers are ignored for this many steps; the guard then says so
+    in an event. 0: none -- a rewind restores the detector too, so a trigger right after it is
+    news, and an instability that comes back is the recovery's to diagnose (a recurrence),
+    which a cooldown would only hide."""
 
     max_rewinds: int = 3
     """More than this many rewinds within ``rewind_window`` steps halts the run instead: it keeps
@@ -141,7 +147,10 @@ _KIND_FIELD = {
 class Policy:
     """``actions = policy.decide(step, alerts)``; actions most drastic first, ``[]`` for none.
 
-    ``last_reasons`` explains the latest decision (one line per action, and per suppressed one).
+    ``last_reasons`` explains the latest decision (one line per action, and per suppressed one);
+    ``suppressed`` holds only the lines of actions that were wanted and not taken (a cooldown, a
+    rate limit), ``rewind_triggers`` what asked for this step's rewind (alert kinds, or
+    ``"nonfinite_streak"``), ``halt_reason`` why this step halts.
     """
 
     def __init__(self, cfg: PolicyConfig | None = None):
@@ -156,15 +165,34 @@ class Policy:
         self.last_rewind = -(1 << 60)
         self.rewinds: deque[int] = deque()
         self.last_reasons: list[str] = []
+        self.suppressed: list[str] = []
+        self.rewind_triggers: tuple[str, ...] = ()
+        self.halt_reason: str | None = None
+        self.rewind_streak = 0  # non-finite steps in a row when the latest rewind was granted
+        self._undo: tuple[int, int] | None = None  # (last_rewind, nonfinite_streak) before a granted rewind
 
-    def decide(self, step: int, alerts: Iterable[Event]) -> list[Action]:
+    def decide(self, step: int, alerts: Iterable[Event], *, state_finite: bool | None = None,
+               skipped: bool = False) -> list[Action]:
+        """``state_finite``: on a step with a non-finite loss or gradient, whether the guard found
+        parameters and optimizer state finite (``None``: not checked). ``True``: the bad step was
+        never applied and a lone non-finite step is one bad batch -- a rewind it would ask for
+        becomes a skip (the streak rule, ``rewind_after_nonfinite``, still applies). ``False``:
+        the state is poisoned already -- a skip becomes a rewind (the guard repairs in place
+        instead when only the optimizer state is hit). ``skipped``: the guard skips this step for
+        a reason of its own (a finite gradient whose square overflows): it counts toward the
+        streak like a non-finite one (a state that gives every batch such a gradient is broken)."""
         cfg = self.cfg
         self.tick += 1
         t = self.tick
         reasons: list[str] = []
         wanted: dict[Action, str] = {}
 
-        def want(action: Action, why: str) -> None:
+        triggers: list[str] = []
+        self.suppressed, self.rewind_triggers, self.halt_reason, self._undo = [], (), None, None
+
+        def want(action: Action, why: str, trigger: str) -> None:
+            if action is Action.REWIND:
+                triggers.append(trigger)
             if action is not Action.NONE and action not in wanted:
                 wanted[action] = why
 
@@ -174,15 +202,21 @@ class Policy:
             field = _KIND_FIELD.get(a.kind)
             if field is None:
                 continue  # action / outcome events are not the policy's input
-            if a.kind is Kind.NONFINITE_GRAD:
+            if a.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE):
                 nonfinite_now = True
             if a.kind is Kind.COLLAPSE_RISK:
                 warned_now = True
-            want(getattr(cfg, field), f"{a.kind} ({a.level}) at step {a.step}")
+            action = getattr(cfg, field)
+            if a.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE) and state_finite is not None:
+                if state_finite and action is Action.REWIND:
+                    action = Action.SKIP  # one bad batch: nothing was written, nothing to rewind
+                elif not state_finite and action is Action.SKIP:
+                    action = Action.REWIND  # the state is poisoned already: a skip cannot fix it
+            want(action, f"{a.kind} ({a.level}) at step {a.step}", str(a.kind))
 
-        self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite_now else 0
+        self.nonfinite_streak = self.nonfinite_streak + 1 if (nonfinite_now or skipped) else 0
         if cfg.rewind_after_nonfinite and self.nonfinite_streak >= cfg.rewind_after_nonfinite:
-            want(Action.REWIND, f"{self.nonfinite_streak} non-finite gradient steps in a row")
+            want(Action.REWIND, f"{self.nonfinite_streak} non-finite steps in a row", "nonfinite_streak")
 
         # -- checkpoint: cooldown, hysteresis, rate limit ------------------------------------
         if Action.CHECKPOINT in wanted:
@@ -212,20 +246,38 @@ class Policy:
             while self.rewinds and t - self.rewinds[0] >= cfg.rewind_window:
                 self.rewinds.popleft()
             if t - self.last_rewind <= cfg.rewind_cooldown:
-                reasons.append(f"no rewind for {why}: cooldown ({t - self.last_rewind} <= "
-                               f"{cfg.rewind_cooldown} steps since the last)")
+                note = (f"no rewind for {why}: cooldown ({t - self.last_rewind} <= "
+                        f"{cfg.rewind_cooldown} steps since the last; PolicyConfig.rewind_cooldown)")
+                reasons.append(note)
+                self.suppressed.append(note)
             elif len(self.rewinds) >= cfg.max_rewinds:
                 want(Action.HALT, f"{why}, but already {len(self.rewinds)} rewinds within "
-                                  f"{cfg.rewind_window} steps")
+                                  f"{cfg.rewind_window} steps (PolicyConfig.max_rewinds={cfg.max_rewinds})", "")
             else:
                 wanted[Action.REWIND] = why
+                self.rewind_triggers = tuple(triggers)
+                self._undo = (self.last_rewind, self.nonfinite_streak)
+                self.rewind_streak = self.nonfinite_streak
                 self.last_rewind = t
                 self.rewinds.append(t)
                 self.nonfinite_streak = 0
+        if Action.HALT in wanted:
+            self.halt_reason = wanted[Action.HALT]
 
         actions = sorted(wanted, key=_SEVERITY.__getitem__, reverse=True)
         self.last_reasons = [f"{a.value}: {wanted[a]}" for a in actions] + reasons
         return actions
+
+    def withdraw_rewind(self) -> None:
+        """The guard resolved this step's rewind without rewinding (poisoned optimizer state
+        repaired in place): it does not count toward the cooldown or the limit. The non-finite
+        streak still starts over: the repair acted on what made the steps non-finite."""
+        if self._undo is None:
+            return
+        self.last_rewind = self._undo[0]
+        if self.rewinds and self.rewinds[-1] == self.tick:
+            self.rewinds.pop()
+        self._undo = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"tick": self.tick, "nonfinite_streak": self.nonfinite_streak,

@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     faults: dict[int, str] = {}
     t0 = time.time()
+    fired: set[str] = set()
     last_loss = float("nan")
     finite_losses: list[float] = []
     while ew.step < args.steps:
@@ -247,11 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             _, loss = model(x, y)
             ew.report_loss(loss)  # stays on the device; read with the gradient stats
             loss.backward()
-            if step == args.bad_batch_step:
+            # each fault happens once (ew.step goes back after a rewind: a step-keyed fault would recur)
+            if step == args.bad_batch_step and "bad_batch" not in fired:
+                fired.add("bad_batch")
                 model.blocks[2].fc.weight.grad[7, 3] = float("inf")  # fault 1: a bad batch
                 faults[step] = "fault 1: inf gradient"
                 screen.line(f"[demo] step {step}: fault 1 injected: inf in one gradient coordinate of blocks.2.fc.weight")
-            if step == args.poison_step:
+            if step == args.poison_step and "poison" not in fired:
+                fired.add("poison")
                 opt.state[model.blocks[1].attn.weight]["exp_avg"].fill_(float("nan"))  # fault 2: poisoned state
                 faults[step] = "fault 2: NaN in Adam's exp_avg"
                 screen.line(f"[demo] step {step}: fault 2 injected: NaN written into Adam's exp_avg of blocks.1.attn.weight "

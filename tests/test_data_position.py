@@ -277,3 +277,53 @@ def test_data_parallel_shards_partition_each_epoch_and_share_positions():
     assert ids(next(iter(b))) == epochs[1][3]
     with pytest.raises(DataPositionError, match="num_replicas"):
         ResumableLoader(Counting(21), 2, seed=4).load_state_dict(a.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch fingerprints: naming batches no loader can name
+
+
+def test_batch_fingerprints_tell_batches_apart_and_fold_micro_batches():
+    from earlywarn.recover import BatchFingerprints
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 100, (8, 16), generator=g)
+    fp = BatchFingerprints(history=3)
+    for step, batch in enumerate([x, x.clone(), x + 1, x.float(), x.to(torch.bfloat16), x > 50, (x, x + 1), (x + 1, x)]):
+        fp.observe(batch)
+        fp.bind(step)
+    got = fp.read(range(8))
+    assert sorted(got) == [5, 6, 7]  # history=3: the oldest are forgotten
+    fp2 = BatchFingerprints()
+    for step, batch in enumerate([x, x.clone(), x + 1, x.float(), x.to(torch.bfloat16)]):
+        fp2.observe(batch)
+        fp2.bind(step)
+    fp2.observe(x)  # two micro-batches of one step
+    fp2.observe(x + 1)
+    fp2.bind(5)
+    fp2.observe((x + 1, x))
+    fp2.bind(6)
+    got = fp2.read(range(7))
+    assert got[0] == got[1]  # the same data, the same fingerprint
+    assert len({got[0], got[2], got[3], got[4], got[5], got[6]}) == 6  # values, dtypes, order all count
+    assert fp2.read([99]) == {} and not fp2.has(99)
+    big = torch.arange(5_000_000, dtype=torch.float32)
+    fp2.observe(big)  # hashed on a stride: still one value, still deterministic
+    fp2.bind(7)
+    fp3 = BatchFingerprints()
+    fp3.observe(big.clone())
+    fp3.bind(0)
+    assert fp2.read([7])[7] == fp3.read([0])[0]
+    fp2.drop_after(5)
+    assert sorted(fp2.read(range(10))) == [0, 1, 2, 3, 4, 5]
+
+
+def test_quarantine_and_batch_refs_write_what_is_known_only():
+    from earlywarn.recover import QuarantineRecord
+
+    assert BatchRef(None, None, None, "ab12").to_dict() == {"fingerprint": "ab12"}
+    assert str(BatchRef(None, None, None, "ab12")) == "the batch with fingerprint ab12"
+    assert BatchRef(0, 3, (1, 2)).to_dict() == {"epoch": 0, "batch_index": 3, "sample_indices": [1, 2]}
+    q = QuarantineRecord(9, "loss_diverged", None, None, None, 7, "ab12")
+    assert q.to_dict() == {"incident_step": 9, "reason": "loss_diverged", "step": 7, "fingerprint": "ab12"}
+    assert QuarantineRecord.from_dict(q.to_dict()) == q

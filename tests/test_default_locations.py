@@ -41,9 +41,10 @@ def test_watch_keeps_its_files_in_one_folder_and_says_so_once(clean_cwd):
     ew = earlywarn.watch(model, opt, loader=loader, sinks=[ConsoleSink(stream=out), "jsonl"],
                          recovery=earlywarn.RecoveryConfig(snapshot_every=5))
     folder = clean_cwd / "earlywarn_output"
-    assert out.getvalue().splitlines() == [
-        f"[earlywarn] writing to {folder}/: events.jsonl (event log) (set EARLYWARN_OUTPUT_DIR to move them)"
-    ]
+    notes = out.getvalue().splitlines()
+    assert notes[0] == f"[earlywarn] writing to {folder}/: events.jsonl (event log) (set EARLYWARN_OUTPUT_DIR to move them)"
+    # and, once, the snapshot plan (cadence and host RAM)
+    assert len(notes) == 2 and notes[1].startswith("[earlywarn] in-memory snapshots every 5 steps")
     for i, (x, y) in enumerate(loader):
         if i == 12:
             break

@@ -325,7 +325,12 @@ def scenario_rank_local_loss(rank: int, tmp: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     ddp = DDP(MLP().double())
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    ew = earlywarn.watch(ddp, opt, sinks=[tracker], recovery=recovery_in(tmp, rank))
+    # the inflated loss goes on after the rewind: a cooldown keeps the run going (by default the
+    # recurrence halts it) -- this scenario is about identical decisions, not their escalation
+    from earlywarn.policy import PolicyConfig
+
+    ew = earlywarn.watch(ddp, opt, sinks=[tracker], recovery=recovery_in(tmp, rank),
+                         policy=PolicyConfig(rewind_cooldown=20))
     seen = record(ew)
     skipped = []
     for step in range(40):
@@ -346,7 +351,7 @@ def scenario_rank_local_loss(rank: int, tmp: Path) -> dict[str, Any]:
 
 
 def scenario_rewind(rank: int, tmp: Path) -> dict[str, Any]:
-    """Rank 1 draws a batch with a NaN in it (loss reported): the mean loss is NaN on every
+    """A weight of rank 1's replica turns NaN (loss reported): the mean loss is NaN on every
     rank, every rank rewinds to the same snapshot and skips the same data positions."""
     import earlywarn
     from earlywarn.events import Kind
@@ -364,8 +369,8 @@ def scenario_rewind(rank: int, tmp: Path) -> dict[str, Any]:
     for _epoch in range(2):
         for x, y in loader:
             if step == 10 and rank == 1:
-                x = x.clone()
-                x[0, 0] = float("nan")  # the loss is NaN (an inf input can leave it finite)
+                with torch.no_grad():  # one weight of rank 1's replica turns NaN: the loss is NaN on every
+                    ddp.module.hidden.weight[0, 0] = float("nan")  # rank (a NaN batch alone costs one skip)
             opt.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
@@ -420,8 +425,8 @@ def scenario_dcp(rank: int, tmp: Path) -> dict[str, Any]:
 
 
 def scenario_fsdp_rewind(rank: int, tmp: Path) -> dict[str, Any]:
-    """FSDP2 with the default RecoveryConfig: rank 1 draws a batch with a NaN (loss reported),
-    every rank rewinds its shards to the same in-memory snapshot (step 0)."""
+    """FSDP2 with the default RecoveryConfig: rank 1's shard of a weight turns NaN (loss
+    reported), every rank rewinds its shards to the same in-memory snapshot (step 0)."""
     import earlywarn
     from earlywarn.events import Kind
 
@@ -434,8 +439,8 @@ def scenario_fsdp_rewind(rank: int, tmp: Path) -> dict[str, Any]:
     for _epoch in range(2):
         for x, y in loader:
             if step == 6 and rank == 1:
-                x = x.clone()
-                x[0, 0] = float("nan")
+                with torch.no_grad():  # a NaN in rank 1's shard of a weight (a NaN batch alone is one skip)
+                    model.hidden.weight._local_tensor[0, 0] = float("nan")
             opt.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -542,7 +547,7 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
     out["restored"] = same(saved, local_state(model, opt))
     out["data"] = loaded["state"]["data"]
 
-    # through the watcher: disk checkpoints only (every 3 steps), a NaN batch on rank 1 at step 7
+    # through the watcher: disk checkpoints only (every 3 steps), a NaN weight on rank 1 at step 7
     loader = sharded_loader(rank)
     torch.manual_seed(0)
     model = fsdp_mlp()
@@ -554,8 +559,8 @@ def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
     positions, at6, restored = [], None, None
     for step, (x, y) in enumerate(loader):
         if step == 7 and rank == 1:
-            x = x.clone()
-            x[0, 0] = float("nan")
+            with torch.no_grad():  # a NaN in rank 1's shard of a weight (a NaN batch alone is one skip)
+                model.hidden.weight._local_tensor[0, 0] = float("nan")
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()

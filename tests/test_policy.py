@@ -39,14 +39,54 @@ def test_defaults_map_each_alert_to_its_documented_action():
 
 
 def test_nonfinite_streak_turns_skips_into_a_rewind_then_starts_over():
-    p = Policy()
+    p = Policy(PolicyConfig(rewind_cooldown=20))
     acts = run(p, {s: [Kind.NONFINITE_GRAD] for s in range(10, 15)}, 15)
     assert acts[10] == [Action.SKIP] and acts[11] == [Action.SKIP]
     assert acts[12] == [Action.REWIND, Action.SKIP]  # most drastic first
+    assert p.rewind_streak == 3  # what the granted rewind was for (rewind_triggers is per decision)
     assert acts[13] == [Action.SKIP] and acts[14] == [Action.SKIP]
-    # the streak restarted at the rewind; the next rewind would be inside the cooldown
+    # the streak restarted at the rewind; the next rewind would be inside the cooldown, and says so
     assert p.decide(15, [ev(15, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
     assert any("no rewind" in r and "cooldown" in r for r in p.last_reasons)
+    assert p.suppressed and "PolicyConfig.rewind_cooldown" in p.suppressed[0]
+    # by default there is no cooldown: an instability that comes back is the recovery's to diagnose
+    p = Policy()
+    acts = run(p, {s: [Kind.NONFINITE_GRAD] for s in range(10, 16)}, 16)
+    assert acts[12][0] is Action.REWIND and acts[15][0] is Action.REWIND and not p.suppressed
+
+
+def test_a_nonfinite_loss_counts_toward_the_streak():
+    p = Policy()
+    assert p.decide(10, [ev(10, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.SKIP]
+    assert p.decide(11, [ev(11, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
+    assert p.decide(12, [ev(12, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.REWIND, Action.SKIP]
+    assert p.rewind_triggers == ("nonfinite_streak",) and p.nonfinite_streak == 0
+
+
+def test_the_state_check_makes_a_lone_nonfinite_step_a_skip_or_a_rewind():
+    p = Policy()
+    # finite parameters and state: the bad step was never applied -- one bad batch, skipped
+    assert p.decide(0, [ev(0, Kind.NONFINITE_GRAD), ev(0, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.SKIP]
+    assert not p.rewinds and p.nonfinite_streak == 1
+    # poisoned already: a skip cannot fix it
+    assert p.decide(1, [ev(1, Kind.NONFINITE_GRAD)], state_finite=False) == [Action.REWIND]
+    assert p.rewind_triggers == ("nonfinite_grad",)
+    # the streak still rewinds three bad steps in a row, finite state or not
+    p = Policy()
+    for s in range(2):
+        p.decide(s, [ev(s, Kind.LOSS_NONFINITE)], state_finite=True)
+    assert p.decide(2, [ev(2, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.REWIND, Action.SKIP]
+    # a user who asked to halt on a NaN loss gets that, state or not
+    p = Policy(PolicyConfig(on_loss_nonfinite="halt"))
+    assert p.decide(0, [ev(0, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.HALT]
+
+
+def test_a_rewind_the_guard_resolved_otherwise_is_withdrawn():
+    p = Policy(PolicyConfig(rewind_cooldown=10, max_rewinds=1))
+    assert p.decide(0, [ev(0, Kind.NONFINITE_GRAD)], state_finite=False) == [Action.REWIND]
+    p.withdraw_rewind()  # repaired in place: no rewind happened
+    assert not p.rewinds and p.nonfinite_streak == 0  # the repair acted: the streak starts over
+    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]) == [Action.REWIND]  # neither cooldown nor limit hit
 
 
 def test_warning_checkpoints_have_cooldown_hysteresis_and_a_rate_limit():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from earlywarn.events import Kind
+from earlywarn.events import Kind, Level
 from earlywarn.recover import Recovery, RecoveryConfig, repair_optimizer_state, scan_state
 
 torch.set_num_threads(1)
@@ -234,3 +234,121 @@ def test_watch_one_inf_coordinate_keeps_everything_finite_and_matches_a_clean_sk
     assert ew.counters["skipped_steps"] == 1 and ew.counters["rewinds"] == 0
     skips = [e for e in ew.events if e.kind == Kind.SKIP]
     assert len(skips) == 1 and skips[0].layers == ("0",)  # the first Linear (grouped per module)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite values that belong to the model (issue 11, item 1)
+
+
+class MaskedLM(torch.nn.Module):
+    """Written the way many models are: a float causal mask buffer with -inf above the diagonal
+    (``nn.Transformer.generate_square_subsequent_mask``), a -inf padding bias buffer, BatchNorm
+    (running statistics and an int counter) and a frozen table holding an inf."""
+
+    def __init__(self, T: int = 8, d: int = 16, vocab: int = 20):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.attn = torch.nn.MultiheadAttention(d, 2, batch_first=True)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(T))
+        pad = torch.zeros(vocab)
+        pad[0] = -math.inf  # token 0 is padding: never predicted
+        self.register_buffer("pad_bias", pad)
+        self.norm = torch.nn.BatchNorm1d(d)
+        self.frozen = torch.nn.Parameter(torch.tensor([1.0, math.inf]), requires_grad=False)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.attn(x, x, x, attn_mask=self.mask, need_weights=False)[0]
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(x) + self.pad_bias
+
+
+def lm_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(1, 20, (8, 9), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def test_a_causal_mask_padding_bias_and_frozen_inf_are_the_models_own_not_poison(tmp_path):
+    import earlywarn
+
+    torch.manual_seed(0)
+    model = MaskedLM()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    ew = earlywarn.watch(model, opt, sinks=[],
+                         recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(80):
+        x, y = lm_batch(g)
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 20), y.reshape(-1))
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert not [e for e in ew.events if e.kind is Kind.REPAIR or e.level >= Level.WARNING]
+    assert [(s.step, s.clean) for s in ew.recovery.ring.entries] == [(25, True), (50, True), (75, True)]
+    scan = ew.recovery.scan()
+    assert scan.clean and {f.where: f.nonfinite for f in scan.owned} == {
+        "frozen": 1, "mask[buffer]": 28, "pad_bias[buffer]": 1}
+    assert "the model's own non-finite values are not poison" in scan.summary()
+    # a real fault still rewinds (before: "no snapshot or checkpoint to rewind to")
+    opt.state[model.head.weight]["exp_avg"].fill_(math.nan)
+    for _ in range(3):
+        x, y = lm_batch(g)
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 20), y.reshape(-1))
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert ew.counters["rewinds"] == 1 and ew.recovery.scan().clean
+    assert int((~torch.isfinite(model.mask)).sum()) == 28  # the mask is as it was
+    ew.close()
+
+
+def test_a_buffer_poisoned_where_it_was_finite_is_poison_and_only_those_coordinates():
+    from earlywarn.recover import FiniteBaseline
+
+    model = MaskedLM()
+    base = FiniteBaseline.capture(model)
+    with torch.no_grad():
+        model.mask[5, 0] = math.nan  # below the diagonal: it was 0
+        model.mask[0, 5] = math.nan  # above it: it was -inf, now NaN -- still the mask's own non-finite place
+        model.norm.running_var[3] = math.inf
+    scan = scan_state(model, None, base)
+    assert {f.where: f.nonfinite for f in scan.flags} == {"mask[buffer]": 1, "norm.running_var[buffer]": 1}
+    # a buffer re-created with another shape is taken as it is until the next refresh
+    model.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(12))
+    model.norm.running_var.fill_(1.0)
+    assert scan_state(model, None, base).clean
+    base.refresh(model)
+    with torch.no_grad():
+        model.mask[11, 0] = math.nan
+    assert [f.where for f in scan_state(model, None, base).flags] == ["mask[buffer]"]
+
+
+@pytest.mark.parametrize("at", [0, 30])
+def test_a_nan_batch_through_batchnorm_costs_one_skip_and_its_running_stats_are_repaired(tmp_path, at):
+    import earlywarn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    x, y = make_data()
+    for step in range(50):
+        xb = x[step].clone()
+        if step == at:
+            xb[2, 1] = math.nan  # one corrupt sample: BatchNorm's forward writes NaN into its statistics
+        loss = torch.nn.functional.mse_loss(model(xb), y[step])
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == at:
+            assert torch.isfinite(model[1].running_mean).all() and torch.isfinite(model[1].running_var).all()
+    assert ew.counters["skipped_steps"] == 1 and ew.counters["rewinds"] == 0
+    assert ew.counters["repaired_steps"] == 1
+    assert [e.kind for e in ew.events if e.kind in (Kind.SKIP, Kind.REPAIR, Kind.QUARANTINE, Kind.REWIND)] == [
+        Kind.SKIP, Kind.REPAIR, Kind.QUARANTINE]
+    assert scan_state(model, opt).clean
+    ew.close()

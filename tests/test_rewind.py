@@ -176,31 +176,117 @@ def test_plain_dataloader_rewind_skips_unidentified_batches(tmp_path):
     assert sum(trained_ids.values()) + BS * sum(len(r.quarantined) for r in out["reports"]) == 2 * N
 
 
-def test_rewinds_that_do_not_hold_go_further_back_then_halt(tmp_path):
-    with pytest.raises(Halt, match=r"3 rewinds in a row.*max_rewinds=3") as err:
-        run(tmp_path, lr=4.0, snapshot_every=1)  # diverges again right after every rewind
-    assert err.value.reason == "rewinds_exhausted"
+def test_an_instability_that_comes_back_after_a_rewind_halts_with_a_diagnosis(tmp_path):
+    # lr=4 diverges again right after every rewind, on new batches: not a bad batch
+    with pytest.raises(Halt) as err:
+        run(tmp_path, lr=4.0, snapshot_every=1)
+    msg = str(err.value)
+    assert err.value.reason == "recurrence"
+    assert msg.startswith("recurrence: loss_diverged at step")
+    assert "on new batches (none of the" in msg and "not a bad batch" in msg
+    assert "learning rate (param group 0): 4 at step 2 (restored)" in msg and "flat: not the schedule" in msg
+    assert "on_recurrence='lower_lr'" in msg
 
 
-def test_retry_targets_older_snapshots(tmp_path):
+def _trained_recovery(tmp_path, **cfg):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = Recovery(model, opt, RecoveryConfig(snapshot_every=5, snapshot_keep=3, clean_window=2,
-                                              quarantine_path=str(tmp_path / "q.jsonl")))
+    rec = Recovery(model, opt, RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl"), **cfg))
     weights = {}
-    for step in range(1, 13):
-        opt.zero_grad()
-        model(torch.randn(4, 3)).pow(2).mean().backward()
-        opt.step()
-        rec.after_step(step, clean=True)
-        weights[step] = model.weight.detach().clone()
+
+    def train(steps):
+        for step in steps:
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).mean().backward()
+            opt.step()
+            rec.after_step(step, clean=True)
+            weights[step] = model.weight.detach().clone()
+
+    return model, opt, rec, weights, train
+
+
+def test_the_target_is_the_newest_clean_snapshot_before_the_onset(tmp_path):
+    model, opt, rec, weights, train = _trained_recovery(tmp_path, snapshot_every=5, snapshot_keep=4)
+    train(range(0, 22))
+    assert [s.step for s in rec.ring.entries] == [5, 10, 15, 20]
+    # the incident began at step 16: the state after 15 gave step 16 its gradient, so it is suspect
+    report = rec.rewind(21, "loss_diverged", onset=16)
+    assert report.restored_step == 10 and report.lost_steps == 11 and report.resume_step == 11
+    assert torch.equal(model.weight, weights[10])
+    assert "10 steps lost" not in report.message and "11 steps lost" in report.message
+
+
+def test_a_recurrence_never_rewinds_further_back_than_the_first_rewind(tmp_path):
+    model, opt, rec, weights, train = _trained_recovery(tmp_path, snapshot_every=5, snapshot_keep=3,
+                                                        on_recurrence="lower_lr", max_rewinds=3)
+    train(range(1, 13))
     assert [s.step for s in rec.ring.entries] == [1, 6, 11]
     first = rec.rewind(13, "loss_diverged")
-    second = rec.rewind(14, "loss_diverged")  # no clean snapshot since: go further back
-    assert (first.restored_step, first.attempt, second.restored_step, second.attempt) == (11, 1, 6, 2)
-    assert torch.equal(model.weight, weights[6])
-    assert [s.step for s in rec.ring.entries] == [1, 6]
+    assert (first.restored_step, first.attempt, first.recurrence, first.lr_factor) == (11, 1, None, 1.0)
+    # back before it held: a recurrence; it began right after step 11, yet step 6 is never taken
+    second = rec.rewind(12, "loss_diverged", onset=12)
+    assert (second.restored_step, second.attempt, second.lr_factor) == (11, 2, 0.5)
+    assert second.recurrence.startswith("recurrence: loss_diverged at step 12")
+    assert "restoring step 11 again (a rewind never goes further back than the episode's first" in second.message
+    assert torch.equal(model.weight, weights[11]) and rec.lr_factor == 0.5
+    # the lowered learning rate is applied around each step and the loop's value comes back after it
+    seen = []
+    step = rec.wrap_step(lambda: seen.append(opt.param_groups[0]["lr"]))
+    step()
+    assert seen == [0.05] and opt.param_groups[0]["lr"] == 0.1
+    third = rec.rewind(12, "loss_diverged")
+    assert (third.restored_step, third.attempt, third.lr_factor) == (11, 3, 0.25)
+    with pytest.raises(Halt, match=r"recurrence: .* 3 rewinds in this episode \(max_rewinds=3\)") as err:
+        rec.rewind(12, "loss_diverged")
+    assert err.value.reason == "rewinds_exhausted"
+
+
+def test_a_rewind_that_held_ends_the_episode_and_the_lowered_lr_ends_after_its_steps(tmp_path):
+    model, opt, rec, weights, train = _trained_recovery(tmp_path, snapshot_every=5, clean_window=3,
+                                                        on_recurrence="lower_lr", recurrence_lr_steps=4)
+    train(range(1, 13))
+    rec.rewind(13, "loss_diverged")
+    rec.rewind(12, "loss_diverged")
+    assert rec.lr_factor == 0.5
+    train(range(12, 15))
+    assert rec.lr_factor == 0.5
+    train(range(15, 20))  # 4 steps at the lower rate, then the loop's own again
+    assert rec.lr_factor == 1.0
+    # trained clean_window steps past the incident: the next incident is a new episode
+    report = rec.rewind(21, "loss_diverged")
+    assert report.recurrence is None and report.attempt == 1
+
+
+def test_quarantine_without_a_loader_names_steps_and_fingerprints_never_nulls(tmp_path):
+    model, opt, rec, weights, train = _trained_recovery(tmp_path, snapshot_every=5)
+    for step in range(1, 9):
+        rec.fingerprints.observe(torch.full((2, 3), float(step)))  # what report_batch / the input hook do
+        rec.fingerprints.bind(step)
+        train([step])
+    report = rec.rewind(9, "loss_diverged")
+    rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [7, 8, 9] and report.restored_step == 6
+    assert all(None not in r.values() for r in rows)
+    assert all(len(r["fingerprint"]) == 16 for r in rows[:2]) and "fingerprint" not in rows[2]  # step 9: none seen
+    assert len({r["fingerprint"] for r in rows[:2]}) == 2
+    assert "3 batches, drawn for steps 7-9 (fingerprints in the quarantine file)" in report.message
+
+
+def test_blame_without_a_loader_reads_as_a_sentence():
+    from earlywarn.recover import BatchRef, Blame
+
+    assert Blame(step=151, symptom="the loss diverged", symptom_step=152).message == (
+        "the loss diverged at step 152; the batch responsible was the batch drawn for step 151")
+    assert Blame(step=12, symptom="the loss turned NaN", symptom_step=12,
+                 batch=BatchRef(None, None, None, "0f3a")).message == (
+        "the loss turned NaN at step 12; the batch responsible: the batch drawn for step 12 (fingerprint 0f3a)")
+    assert Blame(step=140, symptom="the loss diverged", symptom_step=152, role="the episode began with").message == (
+        "the loss diverged at step 152; the episode began with the batch drawn for step 140")
+    with_loader = Blame(step=11, batch=BatchRef(0, 10, (3, 4)), symptom="the loss turned NaN", symptom_step=12,
+                        symptom_batch=BatchRef(0, 11, (5, 6)))
+    assert with_loader.message == ("the loss turned NaN at step 12 on batch 11 of epoch 0 (samples 5, 6); "
+                                   "the batch responsible was batch 10 of epoch 0 (samples 3, 4) at step 11")
 
 
 # ---------------------------------------------------------------------------------------------

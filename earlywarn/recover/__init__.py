@@ -3,6 +3,7 @@ batch skip with an exact data position, quarantine and blame (torch)."""
 
 from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
 from .data import (
+    BatchFingerprints,
     BatchRef,
     DataPosition,
     DataPositionAdapter,
@@ -13,11 +14,13 @@ from .data import (
     dataset_fingerprint,
 )
 from .errors import CheckpointError, DataPositionError, FingerprintMismatch, Halt
+from .loopstate import LoopState
 from .recovery import Blame, QuarantineRecord, Recovery, RecoveryConfig, RewindReport
-from .repair import Flag, RepairAction, RepairReport, StateScan, repair_optimizer_state, scan_state
+from .repair import FiniteBaseline, Flag, RepairAction, RepairReport, StateScan, repair_optimizer_state, scan_state
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
 
 __all__ = [
+    "BatchFingerprints",
     "BatchRef",
     "Blame",
     "CheckpointError",
@@ -27,8 +30,10 @@ __all__ = [
     "DataPositionAdapter",
     "DataPositionError",
     "FingerprintMismatch",
+    "FiniteBaseline",
     "Flag",
     "Halt",
+    "LoopState",
     "QuarantineRecord",
     "Recovery",
     "RecoveryConfig",

@@ -1,291 +1,62 @@
-"""Recovery: periodic clean snapshots / checkpoints, repair of poisoned state, PaLM-style
-rewind-and-skip with an exact data position, quarantine and blame.
+"""Recovery: clean snapshots / checkpoints, repair of poisoned state, PaLM-style rewind-and-skip
+with an exact data position (or none, and then no replay), quarantine, blame, and the diagnosis
+of instabilities that come back after a rewind.
 
 The watcher drives it:
 
-* ``after_step(step, clean=...)`` after every optimizer step (applied or skipped): periodic
-  in-memory snapshot (default every 100 steps, 2 kept) and disk checkpoint (only with
-  ``checkpoint_dir``); cheap on the other steps (a few integer reads).
+* ``after_step(step, clean=..., building=...)`` after every optimizer step (applied or skipped):
+  the in-memory snapshot when due -- every ``max_lost_steps // 2`` steps, every
+  ``max_lost_steps // 10`` while an episode builds -- and the disk checkpoint (only with
+  ``checkpoint_dir``); a few integer reads on the other steps.
 * ``checkpoint(step, reason)`` on a warning: a copy *now*, while parameters are still finite.
 * ``repair(step)`` when state may be poisoned: scan, reset the poisoned coordinates, verify.
-* ``rewind(step, reason, blame=...)`` on a collapse a skip cannot fix: restore the last clean
-  snapshot in place, skip the batches that led into the incident, quarantine them.
+* ``quarantine_batch(step, reason)`` when a bad batch was skipped: it is never trained.
+* ``rewind(step, reason, blame=..., onset=...)`` on a collapse a skip cannot fix: restore the
+  newest clean snapshot taken before the incident began, in place; the batches that led into it
+  are never trained again (quarantined); an incident that returns before a rewind held is a
+  *recurrence*: diagnosed (learning rate trend) and escalated, never rewound further back.
 * ``resume()`` at start-up: the latest clean disk checkpoint, data position included.
+
+Steps are the training trajectory's: after a rewind to the snapshot of step ``s`` the next
+step is ``s + 1`` again (the watcher's ``step`` goes back with it). Durations ("within
+``clean_window`` steps") are counted on that trajectory: after a rewind, from ``s``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ..events import Event, Kind, Level
 from ..sinks.defaults import output_dir
-from .checkpoint import CheckpointInfo, CheckpointManager, is_collective, load_checkpoint
-from .data import BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
-from .errors import CheckpointError, DataPositionError, Halt
-from .repair import RepairReport, StateScan, _Agree, repair_optimizer_state, scan_state
 from ._state import call_state_dict, fence_copies, local, to_host
+from .budget import plan_snapshots
+from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
+from .config import SINCE_SNAPSHOT, RecoveryConfig
+from .data import BatchFingerprints, BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
+from .errors import CheckpointError, DataPositionError, Halt
+from .records import (
+    Blame,
+    QuarantineRecord,
+    RewindReport,
+    _blame_dict,
+    _capital,
+    _name_batch,
+    _ranges,
+    _record_key,
+)
+from .recurrence import Recurrence
+from .repair import FiniteBaseline, RepairReport, StateScan, _Agree, repair_optimizer_state, scan_state
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
 
-SINCE_SNAPSHOT = "since_snapshot"
-
-
-@dataclass
-class RecoveryConfig:
-    """How earlywarn recovers. The defaults protect a run that passes nothing: an in-memory
-    snapshot every 100 steps (2 kept), repair of poisoned optimizer state, rewind on collapse
-    skipping the batches that led into it, halt after 3 rewinds in a row that did not hold."""
-
-    snapshot_every: int = 100
-    """Steps between in-memory snapshots (host RAM; the first is taken at the first step).
-    0 disables them; rewinds then need disk checkpoints."""
-    snapshot_keep: int = 2
-    """Clean in-memory snapshots kept (one more, unclean, is kept from the last warning)."""
-    checkpoint_dir: str | None = None
-    """Directory for disk checkpoints; ``None``: no disk checkpoints. Under torch.distributed
-    (world size > 1) the writer decides the layout (see ``collective_save``): per-rank writers
-    (the default ``torch.save``) give each rank its own ``<checkpoint_dir>/rank<r>`` (its RNG and
-    data shard differ; one writer per directory); a collective writer writes one checkpoint per
-    step into ``<checkpoint_dir>`` itself, every rank its part."""
-    checkpoint_every: int = 1000
-    """Steps between periodic disk checkpoints (when ``checkpoint_dir`` is set)."""
-    checkpoint_keep: int = 3
-    """Clean disk checkpoints kept (plus the last unclean one, taken on a warning)."""
-    checkpoint_async: bool = False
-    """Copy state to host memory and write on a background thread."""
-    save_fn: Callable[[dict[str, Any], str], None] | None = None
-    """Replace ``torch.save`` (e.g. a ``torch.distributed.checkpoint`` writer): ``save_fn(payload, path)``."""
-    load_fn: Callable[[str], dict[str, Any]] | None = None
-    """Replace ``torch.load(weights_only=True)``: ``load_fn(path) -> payload`` as given to ``save_fn``."""
-    collective_save: bool | None = None
-    """Whether ``save_fn`` / ``load_fn`` are collectives that every rank calls together with the
-    same path (``torch.distributed.checkpoint``: each rank writes its shards into one shared
-    checkpoint; rank 0 alone commits it, see ``CheckpointManager``). ``None``: the ``collective``
-    attribute of ``save_fn`` decides -- ``earlywarn.distributed.dcp_checkpoint_fns`` sets it, and
-    the default ``torch.save`` writer is never collective. Needs ``checkpoint_async=False``."""
-    clean_window: int = 20
-    """A snapshot is clean when no alert came within this many steps before it. The watcher
-    passes ``clean`` to ``after_step``; recovery also treats the steps after its own repairs
-    and rewinds as unclean for this long."""
-    repair: bool = True
-    """Repair poisoned optimizer state (non-finite moments) in place."""
-    repair_reset_state: bool = True
-    """Poisoned optimizer state coordinates get the per-key reset (Adam m -> 0, v -> largest
-    finite v); ``False``: copy them from the last clean snapshot when it has them."""
-    repair_max_param_fraction: float = 0.01
-    """Non-finite *parameter* coordinates are copied back from the last clean snapshot only
-    while they are at most this share of all parameter elements; beyond, rewind."""
-    rewind: bool = True
-    """Rewind to the last clean snapshot on a collapse (else ``rewind()`` halts)."""
-    rewind_skip_batches: int | Literal["since_snapshot"] = SINCE_SNAPSHOT
-    """Batches skipped after the restored snapshot. ``"since_snapshot"``: every batch drawn
-    since the snapshot (nothing that led into the incident is trained again; the data simply
-    continues). An int K: the next batch after the rewind is the one K after the snapshot's
-    (PaLM skipped ~200-500); K smaller than the batches since the snapshot replays some, which
-    needs ``earlywarn.ResumableLoader``."""
-    max_rewinds: int = 3
-    """Rewinds in a row before halting. A rewind has held once a clean snapshot is taken past
-    the data position of its incident; until then the next rewind counts as a retry and goes
-    one snapshot further back."""
-    quarantine_path: str | None = None
-    """JSONL file listing every skipped batch; default ``<checkpoint_dir>/quarantine.jsonl``,
-    or ``quarantine.jsonl`` in earlywarn's output folder (``./earlywarn_output/``, see
-    ``earlywarn.sinks.defaults.output_dir``) without a checkpoint directory. Written only when a
-    batch is quarantined."""
-    history: int = 4096
-    """Steps for which the batch drawn is remembered (for blame and quarantine)."""
-
-    def __post_init__(self) -> None:
-        def bad(name: str, fix: str) -> ValueError:
-            return ValueError(f"RecoveryConfig.{name}={getattr(self, name)!r}: {fix}")
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        for name in ("snapshot_every", "checkpoint_every", "clean_window", "max_rewinds"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise bad(name, "must be an int >= 0")
-        for name in ("snapshot_keep", "checkpoint_keep", "history"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise bad(name, "must be an int >= 1")
-        if self.checkpoint_dir is not None and self.checkpoint_every < 1:
-            raise bad("checkpoint_every", "must be >= 1 when checkpoint_dir is set")
-        rsb = self.rewind_skip_batches
-        if not (rsb == SINCE_SNAPSHOT or (is_int(rsb) and rsb >= 0)):
-            raise bad("rewind_skip_batches", f"use {SINCE_SNAPSHOT!r} or an int >= 0")
-        for name in ("checkpoint_async", "repair", "repair_reset_state", "rewind"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be True or False (a string such as 'false' would count as true)")
-        frac = self.repair_max_param_fraction
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
-            raise bad("repair_max_param_fraction", "must be a number between 0 and 1 (a share of all parameter elements)")
-        for name in ("checkpoint_dir", "quarantine_path"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, (str, os.PathLike)):
-                raise bad(name, "must be a path (str or os.PathLike), or None")
-            if v is not None and os.fspath(v) == "":
-                raise bad(name, "is empty: give a directory (e.g. 'checkpoints'), or None for none"
-                          if name == "checkpoint_dir" else "is empty: give a file path, or None for the default")
-        for name in ("save_fn", "load_fn"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise bad(name, "must be callable")
-        if (self.save_fn is None) != (self.load_fn is None):
-            raise bad("save_fn", "give save_fn and load_fn together (a custom format needs its reader)")
-        if self.collective_save is not None and not isinstance(self.collective_save, bool):
-            raise bad("collective_save", "use True, False or None (None: ask save_fn.collective)")
-        if self.collective_save and self.save_fn is None:
-            raise bad("collective_save", "needs a collective save_fn/load_fn pair, e.g. "
-                      "earlywarn.distributed.dcp_checkpoint_fns(model, optimizer); torch.save writes per rank")
-        if self.collective and self.checkpoint_async:
-            raise bad("checkpoint_async", "cannot be True with a collective save_fn: every rank must run the "
-                      "collective write on its training thread; set checkpoint_async=False")
-        if self.snapshot_every == 0 and self.checkpoint_dir is None and self.rewind:
-            raise bad("snapshot_every", "is 0 and there is no checkpoint_dir: nothing to rewind to; "
-                      "keep snapshots on, set checkpoint_dir, or set rewind=False")
-        if self.checkpoint_dir is not None:
-            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
-        if self.quarantine_path is not None:
-            self.quarantine_path = os.fspath(self.quarantine_path)
-
-    @property
-    def collective(self) -> bool:
-        """The checkpoint writer is a collective (``collective_save``, else ``save_fn.collective``)."""
-        return is_collective(self.save_fn) if self.collective_save is None else self.collective_save
-
-
-@dataclass(frozen=True)
-class Blame:
-    """Who is responsible for an incident.
-
-    ``step`` / ``batch``: the step whose batch caused it (e.g. the last update applied before
-    the loss went NaN). ``symptom_step`` / ``symptom_batch``: where it showed. ``layer``: the
-    first layer with non-finite or most-escalated gradients (from the watcher's capture)."""
-
-    step: int
-    batch: BatchRef | None = None
-    layer: str | None = None
-    symptom: str | None = None
-    symptom_step: int | None = None
-    symptom_batch: BatchRef | None = None
-
-    @property
-    def message(self) -> str:
-        """"the loss turned NaN at step 12 on batch 11 of epoch 0 (samples ...); the batch
-        responsible was batch 10 of epoch 0 (samples ...) at step 11; first layer: fc1.weight"."""
-        who = str(self.batch) if self.batch is not None else "the batch"
-        if self.symptom and self.symptom_step == self.step:
-            text = f"{self.symptom} at step {self.step} on {who}, the batch responsible"
-        elif self.symptom and self.symptom_step is not None:
-            on = f" on {self.symptom_batch}" if self.symptom_batch is not None else ""
-            text = f"{self.symptom} at step {self.symptom_step}{on}; the batch responsible was {who} at step {self.step}"
-        else:
-            text = f"the batch responsible is {who} at step {self.step}"
-        if self.layer:
-            text += f"; first layer: {self.layer}"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "batch": None if self.batch is None else self.batch.to_dict(),
-            "layer": self.layer,
-            "symptom": self.symptom,
-            "symptom_step": self.symptom_step,
-            "symptom_batch": None if self.symptom_batch is None else self.symptom_batch.to_dict(),
-            "message": self.message,
-        }
-
-
-@dataclass
-class _Provisional:
-    """A snapshot whose copy started before it was known to be usable: its step not yet judged
-    clean (async mode), or its device finiteness flag not yet read."""
-
-    snap: Snapshot
-    to_ring: bool
-    to_disk: bool
-    drawn: int | None
-    prev_snapshot_step: int | None
-    prev_checkpoint_step: int
-    judged: bool = False
-
-
-@dataclass(frozen=True)
-class QuarantineRecord:
-    """A batch that will never be trained: it was drawn after the restored snapshot (its update
-    was undone) or skipped over. ``step`` is the step that drew it when known."""
-
-    incident_step: int
-    reason: str
-    epoch: int | None
-    batch_index: int | None
-    sample_indices: tuple[int, ...] | None
-    step: int | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "incident_step": self.incident_step,
-            "reason": self.reason,
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_index": self.batch_index,
-            "sample_indices": None if self.sample_indices is None else list(self.sample_indices),
-        }
-
-
-@dataclass
-class RewindReport:
-    incident_step: int
-    restored_step: int
-    source: str
-    """``"memory:<step>"`` or the checkpoint path."""
-    reason: str
-    attempt: int
-    """1 for the first rewind in a row, up to ``max_rewinds``."""
-    quarantined: list[QuarantineRecord]
-    blame: dict[str, Any] | None = None
-    message: str = ""
-    nonfinite: list[str] = field(default_factory=list)
-    """Tensors that held NaN/Inf when the rewind began (``"name"`` or ``"name[state key]"``)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "incident_step": self.incident_step,
-            "nonfinite": list(self.nonfinite),
-            "restored_step": self.restored_step,
-            "source": self.source,
-            "reason": self.reason,
-            "attempt": self.attempt,
-            "quarantined": [q.to_dict() for q in self.quarantined],
-            "blame": self.blame,
-            "message": self.message,
-        }
-
-
-def _ranges(refs: list[QuarantineRecord]) -> str:
-    """'epoch 0 batches 12-14, epoch 1 batch 0' (or steps when batches are unknown)."""
-    if not refs:
-        return "no batches"
-    if refs[0].batch_index is None:
-        steps = [r.step for r in refs if r.step is not None]
-        return f"{len(refs)} unidentified batches (steps {min(steps)}-{max(steps)})" if steps else f"{len(refs)} batches"
-    out, start, prev = [], refs[0], refs[0]
-    for r in refs[1:] + [None]:  # type: ignore[list-item]
-        if r is not None and r.epoch == prev.epoch and r.batch_index == (prev.batch_index or 0) + 1:
-            prev = r
-            continue
-        span = f"{start.batch_index}" if start is prev else f"{start.batch_index}-{prev.batch_index}"
-        out.append(f"epoch {start.epoch} batch{'es' if start is not prev else ''} {span}")
-        if r is not None:
-            start = prev = r
-    return ", ".join(out)
-
+__all__ = ["Blame", "QuarantineRecord", "Recovery", "RecoveryConfig", "RewindReport", "SINCE_SNAPSHOT"]
 
 def _distributed_rank() -> int | None:
     """This process's rank when torch.distributed runs with more than one process, else None."""
@@ -303,47 +74,18 @@ def _on_every_rank(ok: bool, optimizer: torch.optim.Optimizer) -> bool:
     return _Agree().sum([int(not ok)], device)[0] == 0
 
 
-def _plain(x: Any) -> Any:
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x if isinstance(x, (str, int, float, bool, type(None))) else str(x)
+@dataclass
+class _Provisional:
+    """A snapshot whose copy started before it was known to be usable: its step not yet judged
+    clean (async mode), or its device finiteness flag not yet read."""
 
-
-def _blame_dict(blame: Mapping[str, Any] | Blame | None) -> dict[str, Any] | None:
-    """A JSON-ready blame record with a ``message``. Accepts a :class:`Blame` or a dict with
-    any of ``step``, ``batch``, ``layer``, ``first_alert_step``, ``first_alert_batch``,
-    ``symptom``, ``symptom_step``, ``symptom_batch`` (BatchRef values allowed)."""
-    if blame is None:
-        return None
-    if isinstance(blame, Blame):
-        return blame.to_dict()
-    d = dict(blame)
-    if "message" not in d and "step" in d:
-        if d.get("first_alert_step") is not None and d["first_alert_step"] != d["step"]:
-            b = Blame(step=int(d["first_alert_step"]), batch=_as_ref(d.get("first_alert_batch")),
-                      layer=d.get("layer"), symptom=d.get("symptom") or "the incident",
-                      symptom_step=int(d["step"]), symptom_batch=_as_ref(d.get("batch")))
-        else:
-            b = Blame(step=int(d["step"]), batch=_as_ref(d.get("batch")), layer=d.get("layer"),
-                      symptom=d.get("symptom"), symptom_step=d.get("symptom_step"),
-                      symptom_batch=_as_ref(d.get("symptom_batch")))
-        d["message"] = b.message
-    return _plain(d)
-
-
-def _as_ref(x: Any) -> BatchRef | None:
-    if x is None or isinstance(x, BatchRef):
-        return x
-    if isinstance(x, Mapping) and "batch_index" in x:
-        si = x.get("sample_indices")
-        return BatchRef(x.get("epoch"), x.get("batch_index"), None if si is None else tuple(si))
-    if isinstance(x, int):
-        return BatchRef(None, x, None)
-    return None
+    snap: Snapshot
+    to_ring: bool
+    to_disk: bool
+    drawn: int | None
+    prev_snapshot_step: int | None
+    prev_checkpoint_step: int
+    judged: bool = False
 
 
 class Recovery:
@@ -351,15 +93,16 @@ class Recovery:
 
     ``loader``: an :class:`~earlywarn.ResumableLoader`, a torchdata ``StatefulDataLoader``, or
     anything else (a plain ``DataLoader`` / ``None``: rewinds then skip the batches since the
-    snapshot without knowing which samples they held, and anything that needs to *move* the data
-    refuses with the fix named). ``extra_state``: more objects with ``state_dict`` /
-    ``load_state_dict`` (the detector) saved and restored with the rest. ``keep_on_rewind``:
-    names in ``extra_state`` that a rewind must not roll back (counters that have to remember
-    the rewind itself, e.g. the policy's rate limits); they are still saved and resumed.
-    ``late_state``: names in ``extra_state`` whose state follows the *judgement* of a step, not
-    its update (the watcher's detector and counters, which see a step late in async mode): a
-    periodic snapshot copies them when its step is judged, everything else when it is taken.
-    ``emit``: receives every event (repair, checkpoint, rewind, quarantine, resume).
+    snapshot without knowing which samples they held -- they are named by step and fingerprint
+    -- and anything that needs to *move* the data refuses with the fix named). ``extra_state``:
+    more objects with ``state_dict`` / ``load_state_dict`` (the detector, the loop's own
+    counters) saved and restored with the rest. ``keep_on_rewind``: names in ``extra_state``
+    that a rewind must not roll back (counters that have to remember the rewind itself, e.g.
+    the policy's rate limits); they are still saved and resumed. ``late_state``: names in
+    ``extra_state`` whose state follows the *judgement* of a step, not its update (the watcher's
+    detector and counters, which see a step late in async mode): a periodic snapshot copies them
+    when its step is judged, everything else when it is taken. ``emit``: receives every event
+    (repair, checkpoint, rewind, quarantine, resume).
     """
 
     def __init__(
@@ -403,7 +146,7 @@ class Recovery:
             ckpt_dir = Path(cfg.checkpoint_dir)
             if rank is not None and not cfg.collective:
                 ckpt_dir = ckpt_dir / f"rank{rank}"  # per-rank writer: one writer per directory
-        self.ring = SnapshotRing(cfg.snapshot_keep, keep_unclean=1) if cfg.snapshot_every > 0 else None
+        self.ring = SnapshotRing(cfg.snapshot_keep, keep_unclean=1) if cfg.every > 0 else None
         self.checkpoints = (
             CheckpointManager(ckpt_dir, keep=cfg.checkpoint_keep, keep_unclean=1,
                               async_write=cfg.checkpoint_async, save_fn=cfg.save_fn, load_fn=cfg.load_fn,
@@ -420,36 +163,88 @@ class Recovery:
         else:
             self.quarantine_path = output_dir() / ("quarantine.jsonl" if rank is None
                                                    else f"quarantine.rank{rank}.jsonl")
+        # the model's own non-finite values (a -inf causal mask buffer), as of now: not poison
+        self.baseline = FiniteBaseline.capture(model)
+        self.fingerprints = BatchFingerprints(cfg.history)
         self._history: OrderedDict[int, BatchRef | None] = OrderedDict()
         self._last_step_seen: int | None = None  # last after_step(step): the state's step
         self._drawn_mark = self.data.drawn()  # batches drawn as of that step (None: unknown)
         self._last_snapshot_step: int | None = None
         self._last_checkpoint_step = 0  # disk checkpoints at checkpoint_every, 2x, ... (or after a resume)
-        self._last_incident_step: int | None = None
-        self._streak = 0
-        self._last_target_step: int | None = None
-        self._incident_drawn: int | None = None  # data position of the last rewind's incident
+        # the step of the last repair, or the target of the last rewind: the steps after it are
+        # unclean for clean_window (a rewind's restored step, since the steps after it come again)
+        self._incident_step: int | None = None
+        self.recurrence = Recurrence(optimizer, factor=cfg.recurrence_lr_factor, lr_steps=cfg.recurrence_lr_steps,
+                                     history=cfg.history)
         self.rewinds = 0
         self.repairs = 0
         self.quarantine: list[QuarantineRecord] = []
+        self._quarantined_steps: set[int] = set()  # steps of this trajectory whose batch is quarantined already
         self._provisional: _Provisional | None = None  # the snapshot being copied / confirmed
         self._spare: Any = None  # host buffers of the last evicted snapshot, for the next copy
+        self._measured = False
+        self._note: Callable[[str], None] | None = None  # the console's, for the plan and its revisions
+        self.snapshot_plan = None
+        if self.ring is not None:
+            self.snapshot_plan = plan_snapshots(cfg, model, optimizer)
+            if self.snapshot_plan.clean:
+                self.ring.set_capacity(self.snapshot_plan.clean, self.snapshot_plan.unclean)
+            else:
+                self.ring = None
+
+    # -- the memory plan -----------------------------------------------------------------------
+    @property
+    def plan(self) -> str:
+        """The snapshot plan in one sentence (cadence, ring, host RAM): what ``watch()`` reports."""
+        if self.snapshot_plan is None:
+            where = f"disk checkpoints in {self.config.checkpoint_dir}" if self.config.checkpoint_dir else "nothing"
+            return f"in-memory snapshots are off (snapshot_every=0): rewinds use {where}"
+        return self.snapshot_plan.message
+
+    def report_plan(self, step: int = 0, *, write: Callable[[str], None] | None = None) -> None:
+        """Say the snapshot plan once (the watcher does, when its sinks exist): a note on the
+        console (``write``, the console sink's; nothing without one) and, when it is short of
+        memory, a Python warning too. Not an event: it is no checkpoint, and no incident."""
+        self._note = write
+        self._say(self.plan, self.snapshot_plan is not None and self.snapshot_plan.level >= Level.WARNING)
+
+    def _say(self, text: str, warn: bool) -> None:
+        if self._note is not None:
+            self._note(f"[earlywarn] {text}")
+        if warn:
+            warnings.warn(f"earlywarn: {text}", RuntimeWarning, stacklevel=3)
+
+    def _check_budget(self, snap: Snapshot, step: int) -> None:
+        """The first snapshot measures what the estimate guessed; shrink the ring if it must."""
+        if self._measured or self.ring is None or self.snapshot_plan is None:
+            return
+        self._measured = True
+        note = self.snapshot_plan.refit(snap.nbytes)
+        if note is not None:
+            self.ring.set_capacity(self.snapshot_plan.clean, self.snapshot_plan.unclean)
+            self._say(note, True)
 
     # -- per step ------------------------------------------------------------------------------
     def _clean(self, step: int, clean: bool) -> bool:
         if not clean:
             return False
-        li = self._last_incident_step
+        li = self._incident_step
         return li is None or step - li > self.config.clean_window
 
-    def record_step(self, step: int, *, maybe_clean: bool = True) -> None:
+    @property
+    def lr_factor(self) -> float:
+        """The factor applied to the learning rate now (1.0 unless ``on_recurrence="lower_lr"`` acts)."""
+        return self.recurrence.lr_factor
+
+    def record_step(self, step: int, *, maybe_clean: bool = True, building: bool = False) -> None:
         """The update of ``step`` has just been applied (or skipped), and it may not be judged yet:
         in async mode the watcher calls this when the update is queued and :meth:`after_step`
         once the step's statistics have been read. Records the batch drawn for the step and,
-        when a snapshot or checkpoint is due and ``maybe_clean`` (nothing known so far makes the
-        step unclean), starts a host copy of the state *as of this step*. It stays provisional
-        until ``after_step(step, clean=True)`` confirms it and its device finiteness flag has
-        been read (one step late: no host sync); one is in flight at a time."""
+        when a snapshot or checkpoint is due (every ``config.every`` steps, ``every_building``
+        while an episode builds) and ``maybe_clean`` (nothing known so far makes the step
+        unclean), starts a host copy of the state *as of this step*. It stays provisional until
+        ``after_step(step, clean=True)`` confirms it and its device finiteness flag has been read
+        (one step late: no host sync); one is in flight at a time."""
         self.data.observe()
         self._history[step] = self.data.last_batch()
         self._history.move_to_end(step)
@@ -463,36 +258,46 @@ class Recovery:
         if self._provisional is not None:
             return
         cfg = self.config
-        snap_due = self.ring is not None and (
-            self._last_snapshot_step is None or step - self._last_snapshot_step >= cfg.snapshot_every
-        )
+        last = self._last_snapshot_step
+        every = cfg.every_building if building else cfg.every
+        snap_due = self.ring is not None and (last is None or step - last >= every or step < last)
         ckpt_due = self.checkpoints is not None and step - self._last_checkpoint_step >= cfg.checkpoint_every
         if not (snap_due or ckpt_due) or not self._clean(step, maybe_clean):
             return
-        # A snapshot is only clean if it is finite: the flag is computed on the device beside the
-        # copy and read once it has landed. Poisoned state that no alert caught is repaired then.
+        # A snapshot is only clean if what the optimizer writes is finite: the flag is computed on
+        # the device beside the copy and read once it has landed. Poisoned state that no alert
+        # caught is repaired then.
         host = capture_state(step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                              scaler=self.scaler, data=self._data_state(), reuse=self._spare, check_finite=True,
                              extra={k: v for k, v in self.extra_state.items() if k not in self.late_state})
         self._spare = None
-        self._provisional = _Provisional(Snapshot(step=step, clean=True, reason="periodic", host=host),
-                                         snap_due, ckpt_due, self.data.drawn(),
+        snap = Snapshot(step=step, clean=True, reason="building" if building else "periodic", host=host,
+                        building=building)
+        self._provisional = _Provisional(snap, snap_due, ckpt_due, self.data.drawn(),
                                          self._last_snapshot_step, self._last_checkpoint_step)
         if snap_due:  # not due again while this one is in flight
             self._last_snapshot_step = step
         if ckpt_due:
             self._last_checkpoint_step = step
 
-    def after_step(self, step: int, *, clean: bool) -> None:
-        """Call after every optimizer step (applied or skipped). ``clean``: no alert within
-        ``config.clean_window`` steps. Takes the periodic snapshot / checkpoint when due and
-        clean (a due one waits for the first clean step). A step already given to
-        :meth:`record_step` is only judged here."""
+    def after_step(self, step: int, *, clean: bool, building: bool = False) -> None:
+        """Call after every optimizer step (applied or skipped). ``clean``: no incident within
+        ``config.clean_window`` steps. ``building``: an episode may be building (recent alerts,
+        elevated gradients): snapshots come at ``every_building``. Takes the periodic snapshot /
+        checkpoint when due and clean (a due one waits for the first clean step). A step already
+        given to :meth:`record_step` is only judged here."""
+        cfg = self.config
         if self._last_step_seen is None or step > self._last_step_seen:
-            self.record_step(step, maybe_clean=clean)
+            self.record_step(step, maybe_clean=clean, building=building)
+        clean = self._clean(step, clean)
+        if self.recurrence.after_step(step, clean=clean, window=cfg.clean_window):
+            self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_factor",
+                            message=f"the lowered learning rate ended after {cfg.recurrence_lr_steps} steps: "
+                                    "the optimizer steps at the loop's learning rate again",
+                            values={"lr_factor": 1.0}))
         p = self._provisional
         if p is not None and not p.judged and p.snap.step <= step:
-            if p.snap.step < step or not self._clean(step, clean):
+            if p.snap.step < step or not clean:
                 self._drop(p)  # its step was not clean (or never judged: a repair or rewind path)
             else:
                 p.judged = True
@@ -522,12 +327,12 @@ class Recovery:
             self._keep(p)
             return
         self._drop(p)
-        scan = scan_state(self.model, self.optimizer)  # rare path: what is poisoned now
+        scan = self.scan()  # rare path: what is poisoned now
         if not scan.clean:
             if self.config.repair:
                 self.repair(self._last_step_seen if self._last_step_seen is not None else p.snap.step, scan=scan)
             else:
-                self._last_incident_step = self._last_step_seen
+                self._incident_step = self._last_step_seen
 
     def _keep(self, p: "_Provisional") -> None:
         snap = p.snap
@@ -538,9 +343,8 @@ class Recovery:
             kept = {id(s) for s in self.ring.entries}
             # the evicted snapshot's buffers take the next copy (no fresh host memory per snapshot)
             self._spare = next((s.host.tree for s in before if id(s) not in kept and s.clean and s.pinned == 0), None)
-            if self._incident_drawn is None or p.drawn is None or p.drawn > self._incident_drawn:
-                # clean and past the data that caused the last rewind: that rewind held
-                self._streak = 0
+            self.baseline.refresh(self.model)  # the last known-good buffers (new or resized ones)
+            self._check_budget(snap, snap.step)
         if p.to_disk:
             self._save_disk(snap, snap.step, clean=True, reason="periodic")
 
@@ -564,12 +368,13 @@ class Recovery:
             return 0
         return max(0, now - self._drawn_mark)
 
-    def _capture(self, step: int, *, clean: bool, reason: str, to_ring: bool, pending: int = 0) -> Snapshot:
+    def _capture(self, step: int, *, clean: bool, reason: str, to_ring: bool, pending: int = 0,
+                 building: bool = False) -> Snapshot:
         kw = dict(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                   scaler=self.scaler, data=self._data_state(pending), extra=self.extra_state)
         if to_ring and self.ring is not None:
-            return self.ring.capture(step, clean=clean, reason=reason, **kw)
-        return Snapshot(step=step, clean=clean, reason=reason, host=capture_state(step, **kw))
+            return self.ring.capture(step, clean=clean, reason=reason, building=building, **kw)
+        return Snapshot(step=step, clean=clean, reason=reason, host=capture_state(step, **kw), building=building)
 
     def _save_disk(self, snap: Snapshot, step: int, *, clean: bool, reason: str) -> str:
         assert self.checkpoints is not None
@@ -601,8 +406,9 @@ class Recovery:
         Call it either before step ``step``'s update (the watcher does: the batch drawn for it
         is then recorded as not yet trained, and the snapshot is labelled ``step - 1``) or after
         ``after_step(step)`` / ``record_step(step)`` (labelled ``step``, or the last recorded step
-        when that is later: the label is always the step of the state it holds). Returns the disk path, or ``"memory:<step>"``
-        without a checkpoint directory, or ``None`` when snapshots and checkpoints are off."""
+        when that is later: the label is always the step of the state it holds). Returns the disk
+        path, or ``"memory:<step>"`` without a checkpoint directory, or ``None`` when snapshots
+        and checkpoints are off."""
         if self.ring is None and self.checkpoints is None:
             return None
         seen = self._last_step_seen
@@ -622,14 +428,22 @@ class Recovery:
 
     # -- blame -----------------------------------------------------------------------------
     def batch_at(self, step: int) -> BatchRef | None:
-        """The batch drawn for ``step`` (for the step in progress: the batch just drawn)."""
+        """The batch drawn for ``step`` (for the step in progress: the batch just drawn), with
+        its fingerprint when known (one host read)."""
+        ref: BatchRef | None
         if step in self._history:
-            return self._history[step]
-        last = max(self._history) if self._history else None
-        if last is None or step > last:
-            self.data.observe()
-            return self.data.last_batch()
-        return None
+            ref = self._history[step]
+        else:
+            last = max(self._history) if self._history else None
+            if last is None or step > last:
+                self.data.observe()
+                ref = self.data.last_batch()
+            else:
+                ref = None
+        fp = self.fingerprints.read([step]).get(step) if self.fingerprints.has(step) else None
+        if ref is None:
+            return BatchRef(None, None, None, fp) if fp else None
+        return ref.with_fingerprint(fp)
 
     def blame(
         self,
@@ -638,6 +452,7 @@ class Recovery:
         layer: str | None = None,
         symptom: str | None = None,
         symptom_step: int | None = None,
+        role: str = "the batch responsible",
     ) -> Blame:
         """Name the batch of ``step`` as responsible, e.g. ``blame(t, layer="h.3.attn",
         symptom="the loss turned NaN", symptom_step=t + 1)``."""
@@ -647,7 +462,8 @@ class Recovery:
             layer=layer,
             symptom=symptom,
             symptom_step=symptom_step,
-            symptom_batch=None if symptom_step is None else self.batch_at(symptom_step),
+            symptom_batch=None if symptom_step is None or symptom_step == step else self.batch_at(symptom_step),
+            role=role,
         )
 
     def last_batch(self) -> BatchRef | None:
@@ -655,31 +471,54 @@ class Recovery:
         self.data.observe()
         return self.data.last_batch()
 
+    def quarantine_batch(self, step: int, reason: str, *, note: str = "") -> QuarantineRecord:
+        """A bad batch was skipped at ``step``: record it (JSONL + event) as never trained.
+        ``note``: what the event adds (why it is the batch's fault, what was done)."""
+        ref = self.batch_at(step)
+        rec = QuarantineRecord(step, reason, None if ref is None else ref.epoch, None if ref is None else ref.batch_index,
+                               None if ref is None else ref.sample_indices, step,
+                               None if ref is None else ref.fingerprint)
+        self._write_quarantine([rec])
+        self.quarantine.append(rec)
+        self._quarantined_steps.add(step)
+        self.emit(Event(step=step, kind=Kind.QUARANTINE, level=Level.WARNING, signal=reason,
+                        message=f"quarantined {_name_batch(ref, step)[0]}: {reason}{note}; it is never trained -> "
+                                f"{self.quarantine_path}",
+                        values={"batches": 1.0}, batch=rec.batch_index))
+        return rec
+
     # -- repair ----------------------------------------------------------------------------
     def scan(self) -> StateScan:
-        """Non-finite values in parameters, buffers and optimizer state (one host read)."""
-        return scan_state(self.model, self.optimizer)
+        """Poisoned values in parameters, buffers and optimizer state (one host read); the
+        model's own non-finite values (see :class:`~earlywarn.recover.FiniteBaseline`) are not."""
+        return scan_state(self.model, self.optimizer, self.baseline)
 
-    def repair(self, step: int, *, scan: StateScan | None = None) -> RepairReport:
+    def repair(self, step: int, *, scan: StateScan | None = None, incident: bool = True) -> RepairReport:
         """Scan parameters, buffers and optimizer state (or use ``scan``, taken just before);
         reset poisoned optimizer coordinates (see :mod:`earlywarn.recover.repair`), copy poisoned
-        parameter coordinates back from the last clean snapshot, verify.
-        ``report.needs_rewind``: parameters could not be fixed."""
+        parameter and buffer coordinates back from the last clean snapshot (buffers: from the
+        copy taken at ``watch()`` before the first snapshot exists), verify.
+        ``report.needs_rewind``: parameters could not be fixed. ``incident``: the steps after it
+        are unclean for ``clean_window`` (a bad batch's poisoned buffers are not an incident)."""
         self._settle(block=True)  # a snapshot still in flight is the newest copy source
         fence_copies()  # and none may still be reading what the repair writes
-        scan = scan if scan is not None else scan_state(self.model, self.optimizer)
+        scan = scan if scan is not None else self.scan()
         if scan.clean:
             return RepairReport(scan, [], [], scan, step)
         if not self.config.repair:
             report = RepairReport(scan, [], [], scan, step)
         else:
-            snap = self.ring.latest(clean_only=True) if self.ring is not None else None
+            snap: Any = self.ring.latest(clean_only=True) if self.ring is not None else None
+            if snap is None and self.baseline.copies:
+                snap = {"model": self.baseline.copies}
             report = repair_optimizer_state(
                 self.optimizer, scan, snapshot=snap, reset_state=self.config.repair_reset_state,
                 max_param_fraction=self.config.repair_max_param_fraction, model=self.model, step=step,
+                baseline=self.baseline,
             )
             self.repairs += 1
-            self._last_incident_step = step
+            if incident:
+                self._incident_step = step
         values = {"tensors": float(len(scan.flags)), "elements": float(sum(f.nonfinite for f in scan.flags)),
                   "ok": float(report.ok)}
         self.emit(Event(step=step, kind=Kind.REPAIR, level=Level.WARNING if report.ok else Level.CRITICAL,
@@ -700,46 +539,131 @@ class Recovery:
         out.sort(key=lambda x: (x[0], x[2]), reverse=True)
         return [(s, c, src) for s, c, _, src in out]
 
-    def _pick_target(self, step: int) -> tuple[int, bool, Any] | None:
+    def _pick_target(self, step: int, onset: int | None, floor: int | None,
+                     poisoned: bool = False) -> tuple[int, bool, Any, str] | None:
+        """The newest clean snapshot taken before the incident began. Step ``onset`` was the
+        first abnormal one, so the state it computed its gradient on (``onset - 1``) is suspect
+        too when the incident is a divergence of finite values: then at most ``onset - 2``.
+        When it left NaN/Inf behind (``poisoned``), the scan every snapshot passed proves the
+        state of ``onset - 1`` finite: that one will do. ``floor``: the episode's first rewind
+        target, never gone past without saying why. The str: why another one, if so."""
         cands = self._candidates(step)
-        clean = [c for c in cands if c[1]]
-        pool = clean or cands
-        if not pool:
+        if not cands:
             return None
-        if self._streak > 0 and self._last_target_step is not None:
-            older = [c for c in pool if c[0] < self._last_target_step]
-            if older:
-                return older[0]
-            same = [c for c in pool if c[0] == self._last_target_step]
-            if same:
-                return same[0]
-        return pool[0]
+        limit = step if onset is None else min(step, onset if poisoned else onset - 1)
+        pre = [c for c in cands if c[0] < limit]
+
+        def pick(pool: list[tuple[int, bool, Any]]) -> tuple[int, bool, Any] | None:
+            return next((c for c in pool if c[1]), None) or (pool[0] if pool else None)
+
+        if floor is not None:
+            c = pick([c for c in pre if c[0] >= floor])
+            if c is not None:
+                return (*c, "")
+            later = [c for c in cands if c[0] >= floor]
+            if later:
+                c = next((x for x in reversed(later) if x[1]), later[-1])  # the one closest to the floor
+                return (*c, f"the instability came back {max(0, (onset or step) - c[0])} steps after step {c[0]}, "
+                            f"before any newer snapshot; restoring step {c[0]} again (a rewind never goes further "
+                            f"back than the episode's first, step {floor})")
+            c = pick(cands)
+            assert c is not None
+            return (*c, f"the snapshot of step {floor} (the episode's first rewind) is gone; going further back, "
+                        f"to step {c[0]}")
+        c = pick([c for c in pre if c[1]])
+        if c is not None:
+            return (*c, "")
+        c = pick(pre)
+        if c is not None:
+            return (*c, f"no clean snapshot before the incident began (step {onset}); the copy taken at the warning")
+        c = pick(cands)
+        assert c is not None
+        began = f"the incident began at step {onset}" if onset is not None else "the incident"
+        return (*c, f"no snapshot from before {began}; step {c[0]} is the newest one")
 
     def _halt(self, step: int, message: str, reason: str) -> Halt:
         # no HALT event here: whoever catches the Halt reports it once (the watcher does)
         return Halt(message, step=step, reason=reason)
 
-    def rewind(self, step: int, reason: str, *, blame: Mapping[str, Any] | Blame | None = None) -> RewindReport:
-        """Restore the last clean snapshot (memory first, then disk) in place — model,
-        optimizer, scheduler, scaler, RNG, ``extra_state`` — move the data past the skipped
-        batches, quarantine them (event + JSONL), and set gradients to ``None`` (the current
-        step's gradients belong to the abandoned trajectory: do not apply them).
+    def _keys(self, steps: list[int]) -> list[str | None]:
+        """What identifies the batches of ``steps`` (a position, else a fingerprint; one host read)."""
+        fps = self.fingerprints.read(steps)
+        out: list[str | None] = []
+        newest = max(self._history) if self._history else None
+        for s in steps:
+            ref = self._history.get(s)
+            if ref is None and (newest is None or s > newest):
+                ref = self.data.last_batch()  # the step in progress drew the loader's latest batch
+            if ref is not None and ref.batch_index is not None:
+                out.append(f"{ref.epoch}:{ref.batch_index}")
+            else:
+                out.append(fps.get(s))
+        return out
 
-        Repeated rewinds before one has held (see ``max_rewinds``) go further back each time.
-        Raises :class:`Halt` when ``max_rewinds`` in a row are used up, when nothing to rewind to
-        exists, or when the data cannot be moved as configured. The caller continues training
-        at ``report.restored_step + 1`` (the optimizer and scheduler are at that step)."""
+    def lr_trend(self, step: int) -> str:
+        """The learning rate's trend over the open episode (see :class:`~earlywarn.recover.recurrence.Recurrence`)."""
+        return self.recurrence.lr_trend(step)
+
+    def _diagnose(self, step: int, reason: str) -> str:
+        ep = self.recurrence.episode
+        assert ep is not None
+        keys = self._keys(list(range(ep.last_target + 1, step + 1)))
+        fresh = not self.data.restorable and not self.config.rewind_restore_rng
+        return self.recurrence.diagnose(step, reason, keys, fresh_draws=fresh)
+
+    def recurrence_of(self, step: int, reason: str) -> str | None:
+        """The diagnosis of an incident at ``step`` if it is a recurrence (a rewind's episode is
+        still open: it has not held yet), else ``None``."""
+        return None if self.recurrence.episode is None else self._diagnose(step, reason)
+
+    def describe_rewinds(self) -> str:
+        """The recent rewinds, for a halt message: 'at step 152 (loss_diverged) to step 125, ...'."""
+        return self.recurrence.describe_rewinds()
+
+    def rewind(
+        self,
+        step: int,
+        reason: str,
+        *,
+        blame: Mapping[str, Any] | Blame | None = None,
+        onset: int | None = None,
+        scan: StateScan | None = None,
+        known_finite: bool = False,
+    ) -> RewindReport:
+        """Restore the newest clean snapshot taken before the incident began (``onset``: its
+        first abnormal step; default ``step``) -- memory first, then disk -- in place: model,
+        optimizer, scheduler, scaler, ``extra_state``, and the global RNGs only when a
+        restorable loader picks the batches (``rewind_restore_rng``). Then move the data past
+        the skipped batches, quarantine them (event + JSONL), and set gradients to ``None``
+        (the current step's gradients belong to the abandoned trajectory: do not apply them).
+
+        An incident before the previous rewind held is a recurrence: diagnosed and escalated
+        per ``on_recurrence`` (halt, or rewind again no further back than the episode's first
+        target and lower the learning rate). Raises :class:`Halt` then, when nothing to rewind
+        to exists, or when the data cannot be moved as configured. The caller continues
+        training at ``report.resume_step`` (the optimizer and scheduler are at that step).
+        ``scan``: a :meth:`scan` taken during this step already (else one is taken here, unless
+        ``known_finite``: the incident's loss and gradients were finite -- a divergence -- so the
+        weights that produced them are too, and no NaN/Inf needs looking for)."""
         cfg = self.config
         blame_d = _blame_dict(blame)
         if not cfg.rewind:
             raise self._halt(step, f"{reason} at step {step}; rewinding is disabled (RecoveryConfig.rewind=False): "
                                    "halting. Enable it, or resume from a checkpoint after fixing the cause.", "rewind_disabled")
-        if self._streak >= cfg.max_rewinds:
-            raise self._halt(step, f"{reason} at step {step}; {self._streak} rewinds in a row did not hold "
-                                   f"(max_rewinds={cfg.max_rewinds}): halting. The instability is not in a few "
-                                   f"batches: lower the learning rate or inspect the quarantined batches in "
-                                   f"{self.quarantine_path}, then resume from the last clean checkpoint.",
-                             "rewinds_exhausted")
+        ep = self.recurrence.episode
+        diagnosis = None
+        if ep is not None:
+            diagnosis = self._diagnose(step, reason)
+            if cfg.on_recurrence == "halt":
+                raise self._halt(step, f"{diagnosis} Halting (RecoveryConfig.on_recurrence='halt'): resume from the last "
+                                       "clean checkpoint with a lower learning rate, or set on_recurrence='lower_lr' to "
+                                       f"rewind and go on at {cfg.recurrence_lr_factor:g}x the learning rate for "
+                                       f"{cfg.recurrence_lr_steps} steps.", "recurrence")
+            if ep.rewinds >= cfg.max_rewinds:
+                raise self._halt(step, f"{diagnosis} Halting: {ep.rewinds} rewinds in this episode (max_rewinds="
+                                       f"{cfg.max_rewinds}), the last at {ep.lr_factor:g}x the learning rate, did not hold. "
+                                       "Resume from the last clean checkpoint with a lower learning rate.",
+                                 "rewinds_exhausted")
         self._settle(block=True)  # a confirmed snapshot still in flight is a candidate too
         if self._provisional is not None:  # never judged: taken at or after the incident step
             self._drop(self._provisional)
@@ -747,27 +671,31 @@ class Recovery:
         # batches are not the incident's: trained again where the loader can seek, else quarantined.
         in_flight = [s for s in self._history if s > step]
         last = max([step, *in_flight])
-        target = self._pick_target(step)
+        if scan is not None:
+            pre = scan
+        elif known_finite:
+            pre = StateScan([], 0)
+        else:
+            pre = self.scan()  # what the incident left (rare path: one read)
+        target = self._pick_target(step, onset, ep.first_target if ep is not None else None, poisoned=not pre.clean)
         if target is None:
             raise self._halt(step, f"{reason} at step {step}; no snapshot or checkpoint to rewind to (the first "
                                    "snapshot is taken at the first after_step): halting.", "no_clean_snapshot")
-        t_step, t_clean, src = target
+        t_step, t_clean, src, why = target
         if isinstance(src, Snapshot):
             state, source = src.state, f"memory:{src.step}"
         else:
             assert self.checkpoints is not None and isinstance(src, CheckpointInfo)
             state, source = self.checkpoints.load(src)["state"], str(src.path)
         skip = None if cfg.rewind_skip_batches == SINCE_SNAPSHOT else int(cfg.rewind_skip_batches)
-        incident_drawn = self.data.drawn()
         if skip is None and in_flight and isinstance(self.data, ResumableAdapter):
             since = self.data.since(state.get("data")) or []
             through = self._skip_through(step, since)
             if through is not None:  # the data goes on right after the incident's batch, as in sync mode
-                skip, incident_drawn = through, incident_drawn - (len(since) - through)
+                skip = through
         if skip is not None and not self.data.restorable:
             raise self._halt(step, f"{reason} at step {step}; cannot rewind with rewind_skip_batches={skip}: "
                                    f"{self.data.why_not}", "data_position")
-        pre = scan_state(self.model, self.optimizer)  # what the incident left (rare path: one read)
         if blame_d is not None and not blame_d.get("layer") and pre.first_layer:
             blame_d["layer"] = pre.first_layer
             blame_d["message"] = f"{blame_d.get('message', '')}; first non-finite layer: {pre.first_layer}".lstrip("; ")
@@ -776,18 +704,19 @@ class Recovery:
             refs = self.data.rewind(state.get("data"), skip)
         except DataPositionError as e:
             raise self._halt(step, f"{reason} at step {step}; cannot rewind the data exactly: {e}", "data_position") from e
+        live_lr = self.recurrence.live_lr()  # the incident's: the restore puts the snapshot's back
+        rng = cfg.rewind_restore_rng if cfg.rewind_restore_rng is not None else self.data.restorable
         restore_state(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                      scaler=self.scaler,
+                      scaler=self.scaler, rng=rng,
                       extra={k: v for k, v in self.extra_state.items() if k not in self.keep_on_rewind})
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
         records = self._quarantine_records(refs, t_step, step, reason, last=last)
-        self._streak += 1
         self.rewinds += 1
-        self._last_target_step = t_step
-        self._incident_drawn = incident_drawn
-        self._last_incident_step = step  # the watcher's step counter may stay monotonic
+        ep = self.recurrence.rewound(step, t_step, reason, [k for k in map(_record_key, records) if k is not None],
+                                     live_lr=live_lr)
+        self._incident_step = t_step
         self._last_snapshot_step = t_step
         self._last_checkpoint_step = min(self._last_checkpoint_step, t_step)
         if self.ring is not None:
@@ -796,28 +725,47 @@ class Recovery:
             self.checkpoints.discard_after(t_step)
         for s in [s for s in self._history if s > t_step]:
             del self._history[s]
+        self.fingerprints.drop_after(t_step)
+        self._quarantined_steps = {s for s in self._quarantined_steps if s <= t_step}
         self._last_step_seen = None
         self._drawn_mark = self.data.drawn()
         self._write_quarantine(records)
         self.quarantine.extend(records)
 
-        kind_txt = "clean " if t_clean else "unclean (no clean one left) "
-        msg = (f"{reason}: rewound to {kind_txt}state of step {t_step} ({source}), "
-               f"attempt {self._streak}/{cfg.max_rewinds}; skipped {len(records)} batches: {_ranges(records)}")
+        kind_txt = "clean" if t_clean else "unclean"
+        lost = step - t_step
+        if rng:
+            rng_txt = f"the global RNGs were restored to step {t_step} (the loader, not the RNG, picks the batches)"
+        elif self.data.restorable:
+            rng_txt = "the global RNGs were not restored (rewind_restore_rng=False)"
+        else:
+            rng_txt = ("the global RNGs were not restored: without a restorable loader they may be what draws the "
+                       "batches, so they go on from where they are and the batches that follow are new ones")
+        msg = (f"{reason}: rewound to the {kind_txt} state of step {t_step} ({source}), "
+               f"{lost} step{'s' if lost != 1 else ''} lost" + (f" ({why})" if why else "")
+               + f"; {len(records)} batch{'es' if len(records) != 1 else ''} never trained again: {_ranges(records)}"
+               + f"; {rng_txt}; training goes on at step {t_step + 1}")
+        if diagnosis is not None:
+            msg += (f". {diagnosis} Going on at {ep.lr_factor:g}x the learning rate for {cfg.recurrence_lr_steps} "
+                    f"steps (on_recurrence='lower_lr'), rewind {ep.rewinds}/{cfg.max_rewinds} of this episode")
         if blame_d and blame_d.get("message"):
-            msg += f". {blame_d['message']}"
+            msg += f". {_capital(blame_d['message'])}"
         if pre.flags:
             msg += f". State at the incident: {pre.summary()}"
-        report = RewindReport(step, t_step, source, reason, self._streak, records, blame_d, msg,
-                              [f.where for f in pre.flags])
+        report = RewindReport(step, t_step, source, reason, ep.rewinds, records, blame_d, msg,
+                              [f.where for f in pre.flags], rng_restored=bool(rng), recurrence=diagnosis,
+                              lr_factor=self.lr_factor)
         first = next((r.batch_index for r in records if r.batch_index is not None), None)
         layers = (blame_d["layer"],) if blame_d and blame_d.get("layer") else ()
         self.emit(Event(step=step, kind=Kind.REWIND, level=Level.CRITICAL, message=msg, signal=reason,
                         layers=layers, values={"restored_step": float(t_step), "skipped": float(len(records)),
-                                               "attempt": float(self._streak)}, batch=first))
-        self.emit(Event(step=step, kind=Kind.QUARANTINE, level=Level.WARNING,
-                        message=f"quarantined {_ranges(records)} -> {self.quarantine_path}",
-                        signal=reason, values={"batches": float(len(records))}, batch=first))
+                                               "attempt": float(ep.rewinds), "lost_steps": float(lost),
+                                               "rng_restored": float(bool(rng)), "lr_factor": self.lr_factor},
+                        batch=first))
+        if records:
+            self.emit(Event(step=step, kind=Kind.QUARANTINE, level=Level.WARNING,
+                            message=f"quarantined {_ranges(records)} -> {self.quarantine_path}",
+                            signal=reason, values={"batches": float(len(records))}, batch=first))
         return report
 
     def _skip_through(self, step: int, since: list[BatchRef]) -> int | None:
@@ -830,15 +778,26 @@ class Recovery:
 
     def _quarantine_records(self, refs: list[BatchRef] | None, t_step: int, step: int, reason: str,
                             last: int | None = None) -> list[QuarantineRecord]:
-        if refs is None:  # identities unknown: one record per step drawn since the snapshot
-            end = step if last is None else last
-            return [QuarantineRecord(step, reason, None, None, None, s) for s in range(t_step + 1, end + 1)]
+        # a batch skipped (and quarantined) on its own already is not listed twice; ``last``:
+        # async mode, the newest step applied before the incident was read (in flight)
+        done = self._quarantined_steps
+        end = step if last is None else last
+        fps = self.fingerprints.read([s for s in range(t_step + 1, end + 1) if s not in done])
+        if refs is None:  # positions unknown: one record per step drawn since the snapshot
+            return [QuarantineRecord(step, reason, None, None, None, s, fps.get(s))
+                    for s in range(t_step + 1, end + 1) if s not in done]
         drew = {(b.epoch, b.batch_index): s for s, b in self._history.items() if b is not None and s > t_step}
         cur = self.data.last_batch()
         if cur is not None and (cur.epoch, cur.batch_index) not in drew and step not in self._history:
             drew[(cur.epoch, cur.batch_index)] = step
-        return [QuarantineRecord(step, reason, r.epoch, r.batch_index, r.sample_indices,
-                                 drew.get((r.epoch, r.batch_index))) for r in refs]
+        out = []
+        for r in refs:
+            s = drew.get((r.epoch, r.batch_index))
+            if s is not None and s in done:
+                continue
+            out.append(QuarantineRecord(step, reason, r.epoch, r.batch_index, r.sample_indices, s,
+                                        None if s is None else fps.get(s)))
+        return out
 
     def _write_quarantine(self, records: list[QuarantineRecord]) -> None:
         if not records:
@@ -850,30 +809,25 @@ class Recovery:
             f.flush()
             os.fsync(f.fileno())
 
+    def wrap_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``step_fn`` with the learning rate a recurrence lowered applied around it (see
+        :meth:`~earlywarn.recover.recurrence.Recurrence.wrap_step`)."""
+        return self.recurrence.wrap_step(step_fn)
+
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "rewinds": self.rewinds,
             "repairs": self.repairs,
-            "streak": self._streak,
-            "last_target_step": self._last_target_step,
-            "last_incident_step": self._last_incident_step,
-            "incident_drawn": self._incident_drawn,
+            **self.recurrence.state_dict(),
             "quarantine": [q.to_dict() for q in self.quarantine],
         }
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.rewinds = int(d.get("rewinds", 0))
         self.repairs = int(d.get("repairs", 0))
-        self._streak = int(d.get("streak", 0))
-        self._last_target_step = d.get("last_target_step")
-        self._last_incident_step = d.get("last_incident_step")
-        self._incident_drawn = d.get("incident_drawn")
-        self.quarantine = [
-            QuarantineRecord(q["incident_step"], q["reason"], q["epoch"], q["batch_index"],
-                             None if q["sample_indices"] is None else tuple(q["sample_indices"]), q["step"])
-            for q in d.get("quarantine", [])
-        ]
+        self.recurrence.load_state_dict(d)
+        self.quarantine = [QuarantineRecord.from_dict(q) for q in d.get("quarantine", [])]
 
     def resume(self, path: str | os.PathLike[str] | None = None, *, restore_data: bool = True) -> int:
         """Load the latest clean disk checkpoint (or ``path``) with ``weights_only=True`` and
@@ -911,6 +865,7 @@ class Recovery:
                 "objects restored may be partly overwritten: rebuild them and resume from a checkpoint "
                 "of this model") from e
         self._history.clear()
+        self.fingerprints.clear()
         self._last_step_seen = step
         self._drawn_mark = self.data.drawn()
         self._last_snapshot_step = None  # snapshot at the next step: rewinds work right away

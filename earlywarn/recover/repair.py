@@ -30,6 +30,18 @@ from it, and with ``reset_state=False`` the optimizer state coordinates too. Rep
 parameters coordinate-wise is only done while the poisoned share of all parameter elements stays
 below ``max_param_fraction``; beyond that the report asks for a rewind.
 
+What "poisoned" means depends on who writes the tensor (:func:`scan_state`):
+
+* parameters the optimizer updates, and every optimizer state tensor: any NaN/Inf is poison;
+* parameters the optimizer never writes (frozen: ``requires_grad=False`` or in no param group):
+  their values belong to the model, never poison;
+* buffers (written by the forward pass, e.g. BatchNorm statistics, or constant, e.g. a float
+  causal mask with ``-inf`` above the diagonal, ``-inf`` padding biases): a NaN/Inf is poison only
+  where the last known-good copy of that buffer was finite (:class:`FiniteBaseline`: taken at
+  ``watch()``, refreshed at every clean snapshot). A buffer the baseline has not seen yet (created
+  later, or re-created with another shape) is taken as it is until the next refresh.
+  Integer and bool buffers are never scanned.
+
 Under torch.distributed (world size > 1) scans and repairs read and write each rank's *local
 shards* of sharded state (FSDP2 / tensor parallel DTensors; plain tensors as they are), and the
 numbers a decision depends on are agreed over all ranks in a few small all-reduces (never one per
@@ -83,6 +95,10 @@ class StateScan:
     tensors_checked: int
     _refs: dict[tuple[str, str | None], tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
     _param_numel: int = field(default=0, repr=False)
+    owned: list[Flag] = field(default_factory=list)
+    """Tensors holding non-finite values that belong to the model (not poison): a ``-inf`` mask
+    buffer, a frozen parameter. Counted only with a baseline (see :func:`scan_state`)."""
+    _legit: dict[tuple[str, str | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def clean(self) -> bool:
@@ -106,6 +122,11 @@ class StateScan:
         return bool(self.params or self.buffers)
 
     @property
+    def weights_poisoned(self) -> bool:
+        """A parameter the optimizer updates holds a non-finite value (buffers aside)."""
+        return bool(self.params)
+
+    @property
     def state_poisoned(self) -> bool:
         """Optimizer state holds a non-finite value (repairable in place)."""
         return bool(self.state)
@@ -117,16 +138,78 @@ class StateScan:
 
     def summary(self) -> str:
         if self.clean:
-            return f"all {self.tensors_checked} tensors finite"
-        parts = [f"{f.where}: {f.nonfinite}/{f.numel}" for f in self.flags[:6]]
-        more = f" (+{len(self.flags) - 6} more)" if len(self.flags) > 6 else ""
-        return "non-finite values in " + ", ".join(parts) + more
+            own = f" (the model's own non-finite values are not poison: {_list(self.owned)})" if self.owned else ""
+            return f"all {self.tensors_checked} tensors finite{own}"
+        return "non-finite values in " + _list(self.flags)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "tensors_checked": self.tensors_checked,
             "flags": [{"name": f.name, "key": f.key, "nonfinite": f.nonfinite, "numel": f.numel} for f in self.flags],
         }
+
+
+def _list(flags: list[Flag]) -> str:
+    parts = [f"{f.where}: {f.nonfinite}/{f.numel}" for f in flags[:6]]
+    return ", ".join(parts) + (f" (+{len(flags) - 6} more)" if len(flags) > 6 else "")
+
+
+def _written_by(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module | None) -> set[int]:
+    """ids of the parameters the optimizer updates (in a param group and requiring grad;
+    without an optimizer: every parameter that requires grad)."""
+    if optimizer is None:
+        return {id(p) for p in model.parameters() if p.requires_grad} if model is not None else set()
+    return {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+
+
+class FiniteBaseline:
+    """The non-finite values that belong to the model: per buffer, where it was non-finite when
+    last known good (at ``watch()``, at every clean snapshot). Only buffers that hold a NaN/Inf
+    keep a mask (on their device; a causal mask's is the size of the mask); finite ones keep
+    their shape. ``copies``: host copies of the floating buffers at capture time, to repair a
+    buffer poisoned before the first snapshot exists."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[int, ...], torch.dtype, torch.Tensor | None]] = {}
+        self.copies: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def capture(cls, model: torch.nn.Module | None, *, copies: bool = True) -> "FiniteBaseline":
+        base = cls()
+        base.refresh(model, copies=copies)
+        return base
+
+    def refresh(self, model: torch.nn.Module | None, *, copies: bool = False) -> None:
+        """Record every floating buffer that is new or changed shape (one host read for all of
+        them; nothing when nothing changed). A buffer already known keeps its mask: its
+        non-finite coordinates do not move unless something poisoned it."""
+        if model is None:
+            return
+        todo: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for name, b in model.named_buffers(remove_duplicate=True):
+                if not _checkable(b):
+                    continue
+                lb = local(b)
+                known = self._known.get(name)
+                if known is None or known[0] != tuple(lb.shape) or known[1] != lb.dtype:
+                    todo.append((name, lb, torch.isfinite(lb).logical_not_()))
+                if copies:
+                    self.copies[name] = lb.detach().to("cpu", copy=True)
+            if not todo:
+                return
+            bad = torch.stack([m.sum().to(todo[0][2].device) for _, _, m in todo]).tolist()  # the one host read
+        for (name, lb, mask), n in zip(todo, bad):
+            self._known[name] = (tuple(lb.shape), lb.dtype, mask if n else None)
+
+    def legit(self, name: str, t: torch.Tensor) -> torch.Tensor | None | bool:
+        """The buffer's own non-finite coordinates: a mask, ``None`` (it was all finite) or
+        ``True`` (not seen yet with this shape: all of its values are taken as the model's)."""
+        known = self._known.get(name)
+        lt = local(t)
+        if known is None or known[0] != tuple(lt.shape) or known[1] != lt.dtype:
+            return True
+        return known[2]
 
 
 def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
@@ -193,8 +276,17 @@ def _finite_abs_max(t: torch.Tensor, where: torch.Tensor | None = None) -> torch
     return torch.where(ok, a, none).amax()
 
 
-def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> StateScan:
-    """Which parameters, floating buffers and optimizer state tensors hold NaN/Inf, and how many.
+def scan_state(
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    baseline: FiniteBaseline | None = None,
+) -> StateScan:
+    """Which parameters, floating buffers and optimizer state tensors hold poisoned (NaN/Inf)
+    values, and how many.
+
+    With a ``baseline`` the per-tensor rules of the module docstring apply: non-finite values in
+    frozen parameters and the baseline's own non-finite buffer coordinates belong to the model
+    (``StateScan.owned``), not to ``flags``. Without one every NaN/Inf counts.
 
     One host read per device: per-tensor counts are computed and stacked on the device, then read
     with a single ``tolist()``. Meant for the rare path (after an alert), not every step.
@@ -205,7 +297,9 @@ def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
     the module docstring).
     """
     names = _param_names(model, optimizer)
+    written = _written_by(optimizer, model) if baseline is not None else None
     entries: list[tuple[str, str | None, Any, torch.Tensor]] = []
+    legit: dict[int, torch.Tensor | bool] = {}  # entry index -> the model's own non-finite values
     seen: set[int] = set()
     params: list[torch.Tensor] = []
     if model is not None:
@@ -220,6 +314,8 @@ def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
         seen.add(id(p))
         name = names[id(p)]
         if _checkable(p):
+            if written is not None and id(p) not in written:
+                legit[len(entries)] = True  # the optimizer never writes it: the model's own values
             entries.append((name, None, p, p))
             param_numel += p.numel()
         if optimizer is not None:
@@ -229,31 +325,103 @@ def scan_state(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
     if model is not None:
         for n, b in model.named_buffers(remove_duplicate=True):
             if _checkable(b):
+                if baseline is not None:
+                    own = baseline.legit(n, b)
+                    if own is not None:
+                        legit[len(entries)] = own
                 entries.append((n, "buffer", b, b))
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    counts_dev: list[torch.Tensor] = []
-    with torch.no_grad():
-        for i, (_, _, _, t) in enumerate(entries):
-            t = local(t)  # a DTensor's own shard: no collective per tensor
-            counts_dev.append(torch.isfinite(t).logical_not_().sum())
-            by_device[t.device].append(i)
-    counts = [0] * len(entries)
+    # Two passes, both on the device. First one fused L2 norm per tensor (torch._foreach_norm,
+    # the cheapest read there is): NaN and Inf propagate into it, so a finite norm means a finite
+    # tensor. Only tensors whose norm is not finite (poisoned, or huge finite values whose square
+    # overflowed) get the exact element count; so do the buffers with values of their own, always.
     agree = _Agree()
-    if agree.world > 1:
-        # one SUM all-reduce of all counts (one host read); a replicated element has several holders
-        sums = agree.sum(counts_dev, local(entries[0][3]).device) if entries else []
-        counts = [-(-c // agree.holders(t)) for c, (_, _, _, t) in zip(sums, entries)]
-    else:
-        for dev, idx in by_device.items():
-            values = torch.stack([counts_dev[i] for i in idx]).tolist()  # the one host read
-            for i, v in zip(idx, values):
-                counts[i] = int(v)
-    flags, refs = [], {}
-    for (name, key, p, t), c in zip(entries, counts):
+    with torch.no_grad():
+        plain = [i for i in range(len(entries)) if i not in legit]
+        exact = [i for i in range(len(entries)) if i in legit]
+        first = _norms_bad([local(entries[i][3]) for i in plain]) + [_counts(local(entries[i][3]), legit[i]) for i in exact]
+        got = _read(agree, first, entries)
+        suspect = [i for i, bad in zip(plain, got[: len(plain)]) if bad]
+        counts: dict[int, tuple[int, int]] = {}
+        for k, i in enumerate(exact):
+            counts[i] = got[len(plain) + k]
+        if suspect:  # rare: the exact counts, in one more read (every rank took this branch alike)
+            for i, c in zip(suspect, _read(agree, [_counts(local(entries[i][3]), None) for i in suspect], entries)):
+                counts[i] = c
+    for i, (_, _, _, t) in enumerate(entries):
+        if agree.world > 1 and i in counts:  # a replicated element was counted by each of its holders
+            h = agree.holders(t)
+            counts[i] = (-(-counts[i][0] // h), -(-counts[i][1] // h))
+    flags, owned, refs, legit_masks = [], [], {}, {}
+    for i, (name, key, p, t) in enumerate(entries):
         refs[(name, key)] = (p, t)
-        if c:
-            flags.append(Flag(name, key, c, t.numel()))
-    return StateScan(flags, len(entries), refs, param_numel)
+        bad, own = counts.get(i, (0, 0))
+        if bad:
+            flags.append(Flag(name, key, bad, t.numel()))
+        if own:
+            owned.append(Flag(name, key, own, t.numel()))
+        if isinstance(legit.get(i), torch.Tensor):
+            legit_masks[(name, key)] = legit[i]
+    return StateScan(flags, len(entries), refs, param_numel, owned, legit_masks)
+
+
+def _norms_bad(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor, 1 when its L2 norm is not finite (fused per device and dtype), else 0."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for k, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(k)
+    for (_, dtype), idx in groups.items():
+        group = [tensors[k] for k in idx]
+        if dtype.is_complex:
+            norms = [torch.linalg.vector_norm(t) for t in group]
+        else:
+            norms = torch._foreach_norm(group)
+        for k, n in zip(idx, norms):
+            out[k] = torch.isfinite(n).logical_not_().to(torch.int64)
+    return out  # type: ignore[return-value]
+
+
+def _counts(t: torch.Tensor, own: torch.Tensor | bool | None) -> torch.Tensor:
+    """[poisoned, the model's own] non-finite elements of ``t``, as a device vector of 2."""
+    bad = torch.isfinite(t).logical_not_()
+    if own is None:
+        return torch.stack([bad.sum(), torch.zeros((), dtype=torch.int64, device=t.device)])
+    if own is True:  # all of it is the model's: poison nowhere, owned everywhere
+        return torch.stack([torch.zeros((), dtype=torch.int64, device=t.device), bad.sum()])
+    return torch.stack([(bad & ~own).sum(), (bad & own).sum()])
+
+
+def _read(agree: "_Agree", values: list[torch.Tensor], entries: list[Any]) -> list[Any]:
+    """Move ``values`` (device scalars, or vectors of 2) to the host in one read per device --
+    under torch.distributed one SUM all-reduce of them all instead. Scalars come back as ints,
+    vectors as (int, int)."""
+    if not values:
+        return []
+    flat = [v.reshape(-1) for v in values]
+    sizes = [f.numel() for f in flat]
+    if agree.world > 1:  # one SUM all-reduce on the state's device (NCCL needs CUDA tensors)
+        device = local(entries[0][3]).device
+        vec = torch.cat([f.to(device, torch.int64) for f in flat])
+        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
+        host = vec.tolist()
+    else:
+        host = [0] * sum(sizes)
+        offsets = [sum(sizes[:k]) for k in range(len(flat))]
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for k, f in enumerate(flat):
+            by_device[f.device].append(k)
+        for idx in by_device.values():
+            got = torch.cat([flat[k] for k in idx]).tolist()  # the one host read per device
+            at = 0
+            for k in idx:
+                host[offsets[k]:offsets[k] + sizes[k]] = got[at:at + sizes[k]]
+                at += sizes[k]
+    out, at = [], 0
+    for n in sizes:
+        chunk = [int(x) for x in host[at:at + n]]
+        out.append(chunk[0] if n == 1 else tuple(chunk))
+        at += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -344,6 +512,7 @@ def repair_optimizer_state(
     max_param_fraction: float = 0.01,
     model: torch.nn.Module | None = None,
     step: int | None = None,
+    baseline: FiniteBaseline | None = None,
 ) -> RepairReport:
     """Repair what ``scan`` found (see the module docstring for the values written).
 
@@ -359,6 +528,7 @@ def repair_optimizer_state(
             all parameter elements is at most this; above it, leave them and ask for a rewind.
         model: re-scanned together with the optimizer to verify the repair (defaults to the
             parameters the optimizer holds).
+        baseline: the :class:`FiniteBaseline` the scan used (the verifying scan uses it too).
     """
     snap_model, snap_opt = _snapshot_trees(snapshot)
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -491,9 +661,12 @@ def repair_optimizer_state(
                 unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
                 continue
             bmask = ~torch.isfinite(b)
+            own = scan._legit.get((f.name, "buffer"))
+            if own is not None:
+                bmask &= ~own  # the buffer's own -inf (a causal mask) stays as it is
             b.copy_(torch.where(bmask, src.to(b.device, b.dtype), b))
             repaired.append(RepairAction(f.name, "buffer", f.nonfinite, "snapshot"))
 
     # verify: a second scan (rare path) so that `ok` is measured, not assumed
-    after = scan_state(model, optimizer) if not scan.clean else scan
+    after = scan_state(model, optimizer, baseline) if not scan.clean else scan
     return RepairReport(scan, repaired, unrepaired, after, step)

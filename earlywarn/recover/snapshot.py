@@ -11,6 +11,13 @@ before reading). The optimizer's parameters and state are copied on a side strea
 next step runs (see ``_state``: the guard fences the copy before the next optimizer write). When
 the ring is full, the evicted snapshot's buffers are reused for the new one, so periodic
 snapshots of a fixed-shape model do not allocate host memory again.
+
+Which snapshot a full ring recycles decides how far back a rewind must go, so it is chosen to
+keep the recent past covered: never the newest, and among the others the one whose removal
+leaves the smallest gap between the snapshots that stay (the oldest on ties, so a steady cadence
+behaves as a plain ring). When snapshots come faster (an episode is building), the older, sparser
+ones survive and the newest few are thinned: a rewind can go back to just before the episode
+began, or to the steady snapshots before that.
 """
 
 from __future__ import annotations
@@ -103,6 +110,8 @@ class Snapshot:
     reason: str
     host: HostCopy = field(repr=False)
     time: float = field(default_factory=time.time)
+    building: bool = False
+    """Taken while an episode was building (the faster cadence)."""
     pinned: int = field(default=0, repr=False)
     """Writers still reading the buffers (an async disk write): the ring will not recycle them."""
 
@@ -139,12 +148,30 @@ class SnapshotRing:
         """Oldest first."""
         return list(self._entries)
 
-    def _victim(self, clean: bool) -> Snapshot | None:
+    def _victim(self, clean: bool, step: int) -> Snapshot | None:
+        """The snapshot a new one (at ``step``) replaces, or ``None`` while there is room."""
         same = [s for s in self._entries if s.clean == clean]
         cap = self.keep if clean else self.keep_unclean
-        if len(same) >= cap and same:
+        if len(same) < cap or not same:
+            return None
+        if len(same) == 1:
             return same[0]
-        return None
+        steps = [s.step for s in same] + [int(step)]
+        best, best_gap = same[0], steps[1] - steps[0]  # dropping the oldest shortens the reach by this
+        for i in range(1, len(same)):
+            gap = steps[i + 1] - steps[i - 1]  # dropping an inner one merges its two gaps
+            if gap < best_gap:
+                best, best_gap = same[i], gap
+        return best
+
+    def set_capacity(self, keep: int, keep_unclean: int | None = None) -> None:
+        """Change how many snapshots are kept (a memory budget); extra ones go, oldest first."""
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1")
+        self.keep = keep
+        if keep_unclean is not None:
+            self.keep_unclean = keep_unclean
+        self.add(None)
 
     def capture(
         self,
@@ -158,22 +185,30 @@ class SnapshotRing:
         scaler: Any = None,
         data: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        building: bool = False,
     ) -> Snapshot:
         """Capture and add a snapshot, recycling the buffers of the one it evicts."""
-        victim = self._victim(clean)
-        reuse = victim.host.tree if victim is not None and victim.pinned == 0 else None
-        if reuse is not None:
-            self._entries.remove(victim)  # its buffers are about to be overwritten
+        victim = self._victim(clean, step)
+        reuse = None
+        if victim is not None:
+            self._entries.remove(victim)
+            # a writer still reading it (an async disk write) keeps its buffers; else recycle them
+            reuse = victim.host.tree if victim.pinned == 0 else None
         host = capture_state(
             step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             data=data, extra=extra, reuse=reuse,
         )
-        snap = Snapshot(step=int(step), clean=clean, reason=reason, host=host)
+        snap = Snapshot(step=int(step), clean=clean, reason=reason, host=host, building=building)
         self.add(snap)
         return snap
 
-    def add(self, snap: Snapshot) -> None:
-        if snap.clean or self.keep_unclean > 0:
+    def add(self, snap: Snapshot | None) -> None:
+        """Add a snapshot copied elsewhere (the recovery's provisional one); when the ring is
+        full, the one :meth:`_victim` picks makes room (the caller may recycle its buffers)."""
+        if snap is not None and (snap.clean or self.keep_unclean > 0):
+            victim = self._victim(snap.clean, snap.step)
+            if victim is not None:
+                self._entries.remove(victim)
             self._entries.append(snap)
         self._entries.sort(key=lambda s: s.step)
         for clean, cap in ((True, self.keep), (False, self.keep_unclean)):

@@ -1,0 +1,220 @@
+"""When an instability comes back after a rewind: episodes, the learning-rate trend, the diagnosis
+and the lowered learning rate (``RecoveryConfig.on_recurrence``).
+
+An *episode* opens with a rewind and closes once the run has trained ``clean_window`` steps past
+its latest incident without another (the rewind *held*). An incident while it is open is a
+recurrence: on new batches (no rewind replays any), so the batches are not to blame -- likely the
+learning rate or another hyperparameter. The learning rate of param group 0 is recorded every step
+(a float read; a tensor learning rate is read only for a diagnosis) so the diagnosis can show its
+trend: at the first rewind's target, at the first incident, now -- and whether the loop's own
+schedule went back with the rewind.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+
+def _fmt_lr(lr: float | None) -> str:
+    return "?" if lr is None else f"{lr:.3g}"
+
+
+@dataclass
+class Episode:
+    """Rewinds for one instability, from the first until one holds."""
+
+    first_incident: int
+    first_target: int
+    first_reason: str
+    rewinds: int = 1
+    last_incident: int = 0
+    last_target: int = 0
+    lr_factor: float = 1.0
+    quarantined: list[str] = field(default_factory=list)
+    """Keys of the batches quarantined by this episode's rewinds (positions / fingerprints)."""
+    lr_path: dict[int, float] = field(default_factory=dict)
+    """The learning rate per step on the first way up to the first incident."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first_incident": self.first_incident, "first_target": self.first_target,
+                "first_reason": self.first_reason, "rewinds": self.rewinds,
+                "last_incident": self.last_incident, "last_target": self.last_target,
+                "lr_factor": self.lr_factor, "quarantined": list(self.quarantined),
+                "lr_path": {str(k): v for k, v in self.lr_path.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Episode":
+        return cls(int(d["first_incident"]), int(d["first_target"]), str(d["first_reason"]), int(d["rewinds"]),
+                   int(d["last_incident"]), int(d["last_target"]), float(d["lr_factor"]),
+                   list(d.get("quarantined", [])), {int(k): float(v) for k, v in d.get("lr_path", {}).items()})
+
+
+class Recurrence:
+    """The open episode, the learning-rate history, and the lowered learning rate in force.
+
+    ``factor`` / ``lr_steps``: ``RecoveryConfig.recurrence_lr_factor`` / ``recurrence_lr_steps``;
+    ``history``: steps of learning rate kept."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, factor: float, lr_steps: int, history: int) -> None:
+        self.optimizer = optimizer
+        self.factor = factor
+        self.lr_steps = lr_steps
+        self.episode: Episode | None = None
+        self._lr: deque[tuple[int, float | None]] = deque(maxlen=history)  # (step, lr of group 0)
+        self._cut: list[float] | None = None  # [factor, steps left]
+        self._log: deque[tuple[int, int, str]] = deque(maxlen=8)  # (incident, restored, reason)
+
+    @property
+    def lr_factor(self) -> float:
+        """The factor applied to the learning rate now (1.0 unless a recurrence lowered it)."""
+        return 1.0 if self._cut is None else float(self._cut[0])
+
+    # -- per step --------------------------------------------------------------------------------
+    def after_step(self, step: int, *, clean: bool, window: int) -> bool:
+        """Record the step's learning rate, count the lowered one down, close the episode once
+        it held. Returns True when the lowered learning rate just ended."""
+        groups = self.optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        self._lr.append((step, float(lr) if isinstance(lr, (int, float)) else None))
+        ended = False
+        if self._cut is not None:
+            self._cut[1] -= 1
+            if self._cut[1] <= 0:
+                self._cut, ended = None, True
+        ep = self.episode
+        if ep is not None and clean and step >= ep.last_incident + window:
+            self.episode = None  # trained past the incident: the rewind held
+        return ended
+
+    def live_lr(self) -> float | None:
+        groups = self.optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        if isinstance(lr, torch.Tensor):
+            return float(lr.detach().reshape(-1)[0])  # rare path: a host read is fine here
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    # -- rewinds ---------------------------------------------------------------------------------
+    def rewound(self, step: int, target: int, reason: str, quarantined: list[str],
+                live_lr: float | None = None) -> Episode:
+        """A rewind from ``step`` to ``target`` happened: open the episode, or count a recurrence
+        in it (and lower the learning rate for ``lr_steps`` steps, compounding). ``live_lr``: the
+        learning rate of the incident step, read before the restore put the snapshot's back."""
+        self._log.append((step, target, reason))
+        ep = self.episode
+        if ep is None:
+            lr_path = {s: lr for s, lr in self._lr if target <= s <= step and lr is not None}
+            live = live_lr
+            if live is not None:
+                lr_path[step] = live
+            ep = self.episode = Episode(step, target, reason, 1, step, target, 1.0, [], lr_path)
+        else:
+            ep.rewinds += 1
+            ep.last_incident = max(ep.last_incident, step)
+            ep.last_target = target
+            ep.lr_factor *= self.factor
+            self._cut = [ep.lr_factor, float(self.lr_steps)]
+        ep.quarantined += quarantined
+        return ep
+
+    def lr_trend(self, step: int) -> str:
+        """'learning rate (param group 0): 0.001 at step 125 (restored) -> 0.0024 at step 152
+        (first incident) -> 0.0025 at step 160 (now), rising' for the open episode."""
+        ep = self.episode
+        now = self.live_lr()
+        if ep is None:
+            return f"learning rate (param group 0): {_fmt_lr(now)} at step {step}"
+        at_target = ep.lr_path.get(ep.first_target)
+        at_first = ep.lr_path.get(ep.first_incident)
+        text = (f"learning rate (param group 0): {_fmt_lr(at_target)} at step {ep.first_target} (restored) -> "
+                f"{_fmt_lr(at_first)} at step {ep.first_incident} (first incident) -> {_fmt_lr(now)} at step {step} (now)")
+        if self._cut is not None:
+            text += f" (earlywarn applies {self.lr_factor:g}x of it)"
+        ref = at_target if at_target else at_first
+        if now is not None and ref:
+            trend = "rising" if now > 1.05 * ref else "falling" if now < 0.95 * ref else "flat"
+            text += f", {trend}"
+            before = ep.lr_path.get(step)
+            if before and now > 1.05 * before:
+                text += (f"; the loop's learning rate did not go back with the rewind ({_fmt_lr(now)} at step {step} "
+                         f"now, {_fmt_lr(before)} there before): recompute it from ew.step, ew.on_rewind(...) or an "
+                         "earlywarn.LoopState in extra_state")
+            elif trend == "flat":
+                text += (": not the schedule -- look at the learning rate itself or another hyperparameter (warmup, "
+                         "weight decay, batch size, clipping, the loss scale)")
+        return text
+
+    def diagnose(self, step: int, reason: str, keys: list[str | None], fresh_draws: bool) -> str:
+        """Why the incident at ``step`` is a recurrence and what is likely at fault. ``keys``:
+        what identifies the batches trained since the last rewind (None: unknown);
+        ``fresh_draws``: no loader, and the RNGs that draw the batches were not restored."""
+        ep = self.episode
+        assert ep is not None
+        since = max(0, step - ep.last_target)
+        known = [k for k in keys if k is not None]
+        quarantined = set(ep.quarantined)
+        replayed = sum(k in quarantined for k in known)
+        if replayed:
+            data = (f"{replayed} of the batches since the rewind were ones it had quarantined (they were replayed): "
+                    "the data may be at fault")
+        else:
+            how = (f"none of the {len(quarantined)} quarantined batches came back" if known and quarantined else
+                   "the global RNGs were not restored, so they were fresh draws" if fresh_draws else
+                   "the loader moved past the quarantined ones")
+            data = (f"on new batches ({how}), so it is not a bad batch: likely the learning rate or another "
+                    "hyperparameter")
+        return (f"recurrence: {reason} at step {step}, {since} steps after the rewind to step {ep.last_target} "
+                f"(the first incident: {ep.first_reason} at step {ep.first_incident}), {data}. {self.lr_trend(step)}.")
+
+    def describe_rewinds(self) -> str:
+        """The recent rewinds, for a halt message: 'at step 152 (loss_diverged) to step 125, ...'."""
+        if not self._log:
+            return "no rewinds yet"
+        return ", ".join(f"at step {i} ({r}) to step {t}" for i, t, r in self._log)
+
+    # -- the lowered learning rate ------------------------------------------------------------
+    def wrap_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``step_fn`` (the optimizer's own ``step``) with the lowered learning rate applied
+        around it while one is in force: every param group's ``lr`` times the factor for the
+        call, put back right after, so a scheduler or the loop that sets ``lr`` keeps its
+        values. Nothing but one check when none is in force."""
+        def step(*args: Any, **kwargs: Any) -> Any:
+            cut = self._cut
+            if cut is None:
+                return step_fn(*args, **kwargs)
+            return self._step_at(float(cut[0]), step_fn, args, kwargs)
+        return step
+
+    def _step_at(self, factor: float, step_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        groups = self.optimizer.param_groups
+        saved = []
+        for g in groups:
+            lr = g["lr"]
+            if isinstance(lr, torch.Tensor):  # a tensor lr is held by compiled / capturable steps: in place
+                saved.append(lr.clone())
+                lr.mul_(factor)
+            else:
+                saved.append(lr)
+                g["lr"] = lr * factor
+        try:
+            return step_fn(*args, **kwargs)
+        finally:
+            for g, lr in zip(groups, saved):
+                if isinstance(lr, torch.Tensor):
+                    g["lr"].copy_(lr)
+                else:
+                    g["lr"] = lr
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"episode": None if self.episode is None else self.episode.to_dict(),
+                "lr_cut": None if self._cut is None else list(self._cut)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        ep = d.get("episode")
+        self.episode = None if ep is None else Episode.from_dict(ep)
+        cut = d.get("lr_cut")
+        self._cut = None if cut is None else [float(cut[0]), float(cut[1])]

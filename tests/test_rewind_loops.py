@@ -1,0 +1,344 @@
+"""Rewinds inside training loops written the way users write them: nanoGPT-style batches drawn
+from the global RNG and a learning rate the loop computes itself, a loader loop, a bad batch.
+Invariants: a bad batch costs one skip; no batch is trained again after a rewind; a rewind loses
+at most ``max_lost_steps``; loop-owned state follows the rewind; an instability that comes back is
+diagnosed (a Halt naming the recurrence and the learning rate), never rewound further back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import earlywarn
+from earlywarn.events import Kind, Level
+from earlywarn.recover import BatchFingerprints, Halt, RecoveryConfig, ResumableLoader, scan_state
+from fixtures_models import MLP
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*")
+
+W = torch.randn(8, 1, generator=torch.Generator().manual_seed(5))
+
+
+def key(x: torch.Tensor) -> str:
+    return hashlib.blake2b(x.numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def nanogpt_loop(tmp_path, *, steps=80, poison_at=None, nan_at=(), lr_ramp_from=None, resync=True,
+                 opt_name="adamw", **recovery):
+    """Batches from torch.randn (the global RNG), the LR written by the loop from its own
+    iter_num, clip_grad_norm_; returns what happened. ``resync``: ``iter_num = ew.step``."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt_name == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+    loop = earlywarn.LoopState(iter_num=0)
+    ew = earlywarn.watch(model, opt, sinks=[], extra_state={"loop": loop},
+                         recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl"), **recovery))
+    out = {"ew": ew, "model": model, "opt": opt, "loop": loop, "reports": [], "replayed": 0, "drawn": {},
+           "abandoned": set(), "halt": None, "at_rewind": []}
+
+    def on_rewind(report):
+        out["reports"].append(report)
+        out["at_rewind"].append((ew.step, loop.iter_num))
+        for s in [s for s in out["drawn"] if s > report.restored_step]:
+            out["abandoned"].add(out["drawn"].pop(s))
+
+    ew.on_rewind(on_rewind)
+    iter_num, poisoned = 0, False
+    try:
+        while iter_num < steps:
+            if resync:
+                iter_num = ew.step
+            lr = 1e-2 if opt_name == "adamw" else 2e-2
+            if lr_ramp_from is not None and iter_num >= lr_ramp_from:
+                lr *= 1.08 ** (iter_num - lr_ramp_from)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x = torch.randn(32, 8)
+            y = x @ W + 0.1 * torch.randn(32, 1)
+            if iter_num in nan_at:
+                x = x.clone()
+                x[3, 1] = float("nan")  # one corrupt sample: its loss, and the batch's, is NaN
+            k = key(x)
+            out["replayed"] += k in out["abandoned"]
+            out["drawn"][iter_num] = k
+            loss = nn.functional.mse_loss(model(x), y)
+            ew.report_loss(loss)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if iter_num == poison_at and not poisoned:
+                poisoned = True
+                opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+            iter_num += 1
+            loop.iter_num += 1
+    except Halt as e:
+        out["halt"] = e
+    out["rows"] = ([json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+                   if (tmp_path / "q.jsonl").exists() else [])
+    ew.close()
+    return out
+
+
+def test_without_a_loader_a_rewind_replays_no_batch_and_the_loop_follows(tmp_path):
+    out = nanogpt_loop(tmp_path, poison_at=40)
+    (r,) = out["reports"]
+    ew = out["ew"]
+    # NaN in Adam's m after step 40 -> NaN weights after 41 -> NaN loss at 42: rewind before 41
+    assert (r.incident_step, r.restored_step, r.lost_steps) == (42, 25, 17) and r.lost_steps <= 50
+    assert not r.rng_restored and out["replayed"] == 0 and len(out["abandoned"]) == 17
+    rewind = next(e for e in ew.events if e.kind is Kind.REWIND)
+    assert "the global RNGs were not restored" in rewind.message and "the batches that follow are new ones" in rewind.message
+    # loop-owned state followed: ew.step and the LoopState are at the restored step + 1 / its value
+    assert out["at_rewind"] == [(26, 25)]  # the loop's `+= 1` after optimizer.step() makes it 26
+    assert ew.step == 80 and out["loop"].iter_num == 80
+    # the quarantine names what is known: the step and the input's fingerprint, never a null
+    rows = out["rows"]
+    assert [q["step"] for q in rows] == list(range(26, 43))
+    assert all(None not in q.values() and set(q) == {"incident_step", "reason", "step", "fingerprint"} for q in rows)
+    assert len({q["fingerprint"] for q in rows}) == 17
+    assert scan_state(out["model"], out["opt"]).clean
+
+
+def test_the_control_restoring_the_rng_without_a_loader_replays_the_same_batches(tmp_path):
+    out = nanogpt_loop(tmp_path, poison_at=40, rewind_restore_rng=True)
+    assert out["reports"][0].rng_restored and out["replayed"] == 17  # every batch drawn since the snapshot
+
+
+def test_quarantine_fingerprints_are_the_model_inputs_hash(tmp_path):
+    out = nanogpt_loop(tmp_path, steps=45, poison_at=40)
+    first = out["rows"][0]
+    torch.manual_seed(0)  # replay the draws up to step 26 outside the run and fingerprint them
+    fp = BatchFingerprints()
+    MLP()
+    xs = []
+    for _ in range(27):
+        x = torch.randn(32, 8)
+        torch.randn(32, 1)
+        xs.append(x)
+    fp.observe(xs[26])
+    fp.bind(26)
+    assert first["step"] == 26 and fp.read([26])[26] == first["fingerprint"]
+
+
+@pytest.mark.parametrize("at", [0, 30])
+def test_a_nan_loss_from_one_corrupt_sample_costs_one_skip(tmp_path, at):
+    out = nanogpt_loop(tmp_path, steps=60, nan_at={at})
+    ew = out["ew"]
+    assert out["halt"] is None and not out["reports"] and ew.counters["rewinds"] == 0
+    assert ew.counters["skipped_steps"] == 1 and ew.step == 60
+    (row,) = out["rows"]
+    assert row["step"] == at and "bad batch" in row["reason"] and len(row["fingerprint"]) == 16
+    q = next(e for e in ew.events if e.kind is Kind.QUARANTINE)
+    assert "skipped before anything was written, nothing rewound" in q.message
+    assert not [e for e in ew.events if e.kind in (Kind.REWIND, Kind.HALT)]
+    assert scan_state(out["model"], out["opt"]).clean
+
+
+def test_a_bad_batch_with_a_loader_is_named_and_the_skip_leaves_the_state_bit_identical(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    y = x @ W
+    x[77, 2] = float("nan")  # one corrupt record
+    loader = ResumableLoader(TensorDataset(x, y), 16, seed=1)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, loader=loader, sinks=[],
+                         recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    bad_steps, identical = [], []
+    for _epoch in range(2):
+        for xb, yb in loader:
+            before = [p.detach().clone() for p in model.parameters()] + [
+                v.clone() for st in opt.state.values() for v in st.values()]
+            loss = nn.functional.mse_loss(model(xb), yb)
+            ew.report_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            step = ew.step
+            opt.step()
+            if not math.isfinite(loss.item()):
+                bad_steps.append(step)
+                after = [p.detach() for p in model.parameters()] + [v for st in opt.state.values() for v in st.values()]
+                identical.append(all(torch.equal(a, b) for a, b in zip(before, after)))
+    assert len(bad_steps) == 2 and all(identical)  # sample 77 in each epoch, skipped before anything was written
+    assert ew.counters["skipped_steps"] == 2 and ew.counters["rewinds"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == bad_steps and all(77 in r["sample_indices"] for r in rows)
+    assert all(None not in r.values() for r in rows)
+    ew.close()
+
+
+@pytest.mark.parametrize("resync", [True, False])
+def test_a_loop_lr_ramp_ends_in_a_halt_naming_the_recurrence_and_the_lr(tmp_path, resync):
+    out = nanogpt_loop(tmp_path, steps=200, lr_ramp_from=40, resync=resync, opt_name="sgd")
+    halt, ew = out["halt"], out["ew"]
+    assert halt is not None and halt.reason == "recurrence"
+    msg = str(halt)
+    assert msg.startswith("recurrence: loss_diverged") and "not a bad batch" in msg
+    assert "learning rate (param group 0):" in msg and "rising" in msg
+    # the trend: the rate at the restored step, at the first incident (read before the restore
+    # put the snapshot's back), now -- rising along the ramp
+    m = re.search(r"learning rate \(param group 0\): ([\d.e+-]+) at step \d+ \(restored\) -> ([\d.e+-]+) at step "
+                  r"\d+ \(first incident\) -> ([\d.e+-]+) at step", msg)
+    assert m and float(m.group(1)) < float(m.group(2)), msg
+    if not resync:  # the loop kept its own iter_num: said so
+        assert "the loop's learning rate did not go back with the rewind" in msg
+    (first,) = out["reports"]  # one rewind, then the diagnosis: never a second one further back
+    assert first.lost_steps <= 50 and out["replayed"] == 0
+    halts = [e for e in ew.events if e.kind is Kind.HALT]
+    assert len(halts) == 1 and halts[0].message == msg
+
+
+def test_lower_lr_on_recurrence_rewinds_no_further_back_and_lowers_the_lr(tmp_path):
+    out = nanogpt_loop(tmp_path, steps=200, lr_ramp_from=40, opt_name="sgd", on_recurrence="lower_lr")
+    reports = out["reports"]
+    assert len(reports) >= 2
+    first = reports[0].restored_step
+    assert all(r.restored_step >= first for r in reports)
+    assert [r.lr_factor for r in reports[:3]] == [1.0, 0.5, 0.25][: len(reports[:3])]
+    assert reports[1].recurrence is not None and "Going on at 0.5x the learning rate" in reports[1].message
+    assert out["halt"] is not None  # a ramp without bound outruns any factor: it halts in the end
+
+
+def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
+    from earlywarn.policy import PolicyConfig
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
+    ew = earlywarn.watch(model, opt, sinks=[], policy=PolicyConfig(rewind_cooldown=500),
+                         recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl"), on_recurrence="lower_lr"))
+    try:
+        while ew.step < 200:
+            it = ew.step
+            for g in opt.param_groups:
+                g["lr"] = 2e-2 * 1.08 ** max(0, it - 40)
+            x = torch.randn(32, 8)
+            loss = nn.functional.mse_loss(model(x), x @ W)
+            ew.report_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    except Halt:
+        pass
+    notes = [e for e in ew.events if e.kind is Kind.REWIND and e.values.get("rewound") == 0.0]
+    assert notes and "cooldown" in notes[0].message and "PolicyConfig.rewind_cooldown" in notes[0].message
+    crit = [e for e in ew.events if e.level is Level.CRITICAL and e.kind is Kind.LOSS_DIVERGED]
+    assert len(crit) >= 2  # each critical rewind trigger got an answer: a rewind, a note, or the halt
+    ew.close()
+
+
+def test_info_spikes_do_not_make_snapshots_unclean_and_snapshots_come_faster_after_them(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    taken = set()
+    while ew.step < 140:
+        it = ew.step
+        x = torch.randn(32, 8)
+        loss = nn.functional.mse_loss(model(x), x @ W + 0.1 * torch.randn(32, 1))
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        if it == 60:
+            for p in model.parameters():
+                p.grad.mul_(30)  # one spike that recovers: an info alert
+        opt.step()
+        taken |= {(s.step, s.clean) for s in ew.recovery.ring.entries}
+    assert [e.kind for e in ew.events if e.level >= Level.INFO and e.kind is not Kind.CHECKPOINT] == [Kind.GRAD_SPIKE]
+    assert all(clean for _, clean in taken)
+    steps = sorted(s for s, _ in taken)
+    assert steps == [0, 25, 50, 60, 65, 70, 75, 80, 105, 130]  # every 5 steps for clean_window after it
+    ew.close()
+
+
+def test_loop_state_round_trips_and_loads_with_weights_only(tmp_path):
+    loop = earlywarn.LoopState(iter_num=7, best=1.5, name="x", hist=[1, 2])
+    loop.iter_num += 1
+    path = tmp_path / "s.pt"
+    torch.save(loop.state_dict(), path)
+    other = earlywarn.LoopState()
+    other.load_state_dict(torch.load(path, weights_only=True))
+    assert other.as_dict() == {"iter_num": 8, "best": 1.5, "name": "x", "hist": [1, 2]}
+    with pytest.raises(AttributeError, match="LoopState has no value 'missing'"):
+        other.missing
+
+
+def test_async_mode_rewinds_one_step_late_and_drops_the_step_in_flight(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ew = earlywarn.watch(model, opt, mode="async", sinks=[],
+                         recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    reports, seen = [], []
+    ew.on_rewind(reports.append)
+    poisoned = False
+    while ew.step < 70:
+        seen.append(ew.step)
+        x = torch.randn(32, 8)
+        loss = nn.functional.mse_loss(model(x), x @ W)
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if ew.step == 41 and not poisoned:
+            poisoned = True
+            opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+    ew.flush()
+    (r,) = reports
+    # NaN weights after step 41, NaN loss at 42, read one step late (inside step 43)
+    assert (r.incident_step, r.restored_step) == (42, 25)
+    assert seen.count(26) == 2 and seen.count(43) == 2  # trained again from 26; step 43's vector was dropped
+    assert [e.step for e in ew.events if e.kind is Kind.REWIND] == [42]
+    assert scan_state(model, opt).clean and ew.counters["rewinds"] == 1
+    ew.close()
+
+
+def test_report_batch_replaces_the_input_hook_and_detach_removes_it(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    assert ew._input_hook is not None  # no loader names the batches: the inputs are hashed
+    fps = ew.recovery.fingerprints
+
+    def step(x, report=None):
+        loss = nn.functional.mse_loss(model(x), x @ W)
+        if report is not None:
+            ew.report_batch(report)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    x0, x1 = torch.randn(16, 8), torch.randn(16, 8)
+    step(x0)
+    with torch.no_grad():
+        model(x1)  # an eval forward is not the step's batch
+    step(x0)
+    got = fps.read([0, 1])
+    assert got[0] == got[1]
+    step(x1, report={"ids": torch.arange(16)})  # the first report_batch: only what it is given counts
+    assert ew._input_hook is None
+    ref = BatchFingerprints()
+    ref.observe({"ids": torch.arange(16)})
+    ref.bind(0)
+    assert fps.read([2])[2] == ref.read([0])[0]
+    ew.detach()
+    again = earlywarn.watch(model, opt, sinks=[])
+    assert len(model._forward_pre_hooks) == 1
+    again.detach()
+    assert not model._forward_pre_hooks
+    with_loader = earlywarn.watch(model, opt, sinks=[], loader=ResumableLoader(TensorDataset(x0), 4))
+    assert with_loader._input_hook is None  # positions name the batches
+    with_loader.close()
