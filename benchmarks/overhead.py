@@ -238,6 +238,7 @@ def _agreement_worker(rank: int, port: int, steps: int, out: "torch.multiprocess
                 ew_.close()
     if rank == 0:
         out.put(results)
+    dist.barrier()
     dist.destroy_process_group()
 
 

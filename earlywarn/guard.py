@@ -765,9 +765,12 @@ class Watcher:
     def _decide(self, host: np.ndarray, tag: _Tag) -> "_Decision":
         obs = self._observation(host, tag)
         alerts = self.detector.observe(obs)
-        nonfinite = not obs.grad_finite
+        # the global norm is finite iff every layer's is (and a recount's non-finite elements show in it)
+        nonfinite = not math.isfinite(obs.grad_norm) if tag.counts is None else not obs.grad_finite
         loss_bad = obs.loss is not None and not math.isfinite(obs.loss)
-        overflow = not nonfinite and bool(np.any(host[:self.layer_map.num_layers] > _SQ_OVERFLOW))
+        # no layer's square can overflow unless their sum does
+        overflow = (not nonfinite and obs.grad_norm * obs.grad_norm > _SQ_OVERFLOW
+                    and bool(np.any(host[:self.layer_map.num_layers] > _SQ_OVERFLOW)))
         scan = None
         if loss_bad or (nonfinite and self.scaler is None):
             # Rare path: was anything written? Finite parameters and optimizer state mean the bad
@@ -839,8 +842,8 @@ class Watcher:
         clean = self._unclean_step is None or tag.step - self._unclean_step > window
         self._elevated = self.detector.score >= self.detector.cfg.spike_z
         self.counters["steps"] = self._step
-        self._log_metrics(tag.step, obs)
         self.recovery.after_step(tag.step, clean=clean and not decision.skip, building=self._building_at(tag.step))
+        self._log_metrics(tag.step, obs)  # after recovery: its checkpoint or repair counts in this step's row
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
         """Async mode: a step's vector arrived late (its update, and maybe later ones, already
@@ -984,13 +987,14 @@ class Watcher:
         if event.kind in (Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
                           Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW):
             self.counters[f"alerts_{event.level}"] = self.counters.get(f"alerts_{event.level}", 0) + 1
-        if event.kind is Kind.CHECKPOINT:  # periodic and on-warning alike: every checkpoint counts
+        written = event.kind is Kind.CHECKPOINT and event.signal != "checkpoint_failed"
+        if written:  # periodic and on-warning alike: every checkpoint written counts
             self.counters["checkpoints"] += 1
         # The step's alert_level is the worst of its events, whatever a rewind restores later.
         self._step_levels.note(event.kind, event.level, event.step)
         for sink in self.sinks:
             _safe(sink, "alert", event)
-        if event.kind is Kind.CHECKPOINT:
+        if written:
             path = _checkpoint_path(event)
             for sink in self.sinks:
                 _safe(sink, "checkpoint", event.step, path, event.signal or "checkpoint")

@@ -314,6 +314,8 @@ def test_a_failed_write_keeps_training_and_the_last_good_checkpoints(tmp_path):
     assert ew.recovery.checkpoints.failures >= 3
     failures = [e for e in ew.events if e.kind is Kind.CHECKPOINT and e.level == Level.WARNING]
     assert failures and "No space left on device" in failures[0].message
+    written = [e for e in ew.events if e.kind is Kind.CHECKPOINT and e.signal != "checkpoint_failed"]
+    assert ew.counters["checkpoints"] == len(written) == len(kept)  # a failed write is not a checkpoint
     for c in ew.recovery.checkpoints.list():
         ew.recovery.checkpoints.load(c)  # every kept checkpoint loads
 
@@ -492,6 +494,7 @@ def _rank_worker(rank: int, world: int, tmp: str, port: int) -> None:
         assert rec.checkpoints.directory == Path(tmp) / f"rank{rank}"
         assert rec.quarantine_path == Path(tmp) / f"rank{rank}" / "quarantine.jsonl"
     finally:
+        dist.barrier()  # neither rank tears the group down while the other still uses it
         dist.destroy_process_group()
 
 

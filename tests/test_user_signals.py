@@ -326,6 +326,7 @@ def _ddp_worker(rank: int, port: int, tmp: str) -> None:
         out = {"error": traceback.format_exc()}
     finally:
         torch.save(out, f"{tmp}/rank{rank}.pt")
+        dist.barrier()  # neither rank tears the group down while the other still talks to it
         dist.destroy_process_group()
 
 

@@ -124,6 +124,8 @@ class GradStats:
         self.layer_map = layer_map
         self.exact = exact
         self._key: tuple[bool, ...] | None = None
+        self._all_present = False  # the last key had every parameter (then only that is re-checked)
+        self._simple = False
         self._present: list[int] = []
         self._groups: list[_Group] = []
         self._device = gather_device([_local(p).device for p in layer_map.params])
@@ -140,7 +142,10 @@ class GradStats:
 
     def _grads(self) -> list[torch.Tensor]:
         params = self.layer_map.params
-        key = tuple(p.grad is not None for p in params)
+        grads = [p.grad for p in params]
+        if self._all_present and not any(g is None for g in grads):
+            return grads  # the common step: every parameter has a gradient, the plan stands
+        key = tuple(g is not None for g in grads)
         if key != self._key:
             # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
             self._key = key
@@ -153,7 +158,10 @@ class GradStats:
             self._groups = list(groups.values())
             self._index = None
             self._weights = None
-        return [params[i].grad for i in self._present]  # type: ignore[misc]
+            # one group, plain tensors: the gradient list goes to the norm kernel as it is
+            self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
+        self._all_present = all(key)
+        return grads if self._all_present else [grads[i] for i in self._present]  # type: ignore[misc]
 
     def _order(self) -> list[int]:
         # positions in _present, in the order the per-tensor results are concatenated
@@ -197,7 +205,7 @@ class GradStats:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         parts = []
         for grp in self._groups:
-            grads = [_local(dgrads[m]) for m in grp.members]
+            grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
             acc = _acc_dtype(grp.device, grp.dtype, exact)
             if grp.sparse:
                 norms = [torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads]

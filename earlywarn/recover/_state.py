@@ -165,6 +165,9 @@ def _host_buffer(t: torch.Tensor, reuse: Any) -> torch.Tensor | None:
     return None
 
 
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # immutable leaves: shared, not copied
+
+
 def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" = None,
             check_finite: bool = False, agree: bool = False) -> HostCopy:
     """Copy every tensor in ``tree`` to host memory (never aliasing the live tensors); other leaves
@@ -180,6 +183,13 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
     owned_host: list[torch.Tensor] = []
 
     def copy_leaf(x: torch.Tensor, r: Any) -> torch.Tensor:
+        if (type(r) is torch.Tensor and x.device.type == "cpu" and r.shape == x.shape and r.dtype == x.dtype
+                and not is_dtensor(x) and r.layout == x.layout == torch.strided and r.device.type == "cpu"):
+            # the common case of a periodic snapshot on the host: into the recycled buffer
+            host_copies.append((r, x))
+            if side_keys and _key(x) in side_keys:
+                owned_host.append(r)
+            return r
         if is_dtensor(x):
             # local shard only; the copy keeps the layout (see the note on sharded tensors above)
             same = is_dtensor(r) and r._spec == x._spec
@@ -196,7 +206,7 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
                 dst.copy_(x, non_blocking=True)
                 main_devices.add(x.device)
         else:
-            dst.copy_(x)
+            host_copies.append((dst, x))  # copied together below: one multi-tensor call
         if owned:
             owned_host.append(dst)
         return dst
@@ -214,6 +224,9 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
                 out._metadata = copy.deepcopy(x._metadata)  # type: ignore[attr-defined]
             return out
         if isinstance(x, (list, tuple)):
+            if all(type(v) in _SCALARS for v in x):
+                # numbers only (Python's RNG state is a tuple of 625 ints): no walk, no deepcopy
+                return x if isinstance(x, tuple) else list(x)
             rr = r if isinstance(r, (list, tuple)) and len(r) == len(x) else [None] * len(x)
             items = [rec(v, rv) for v, rv in zip(x, rr)]
             if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
@@ -221,7 +234,17 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
             return type(x)(items)
         return copy.deepcopy(x)
 
+    host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     out = rec(tree, reuse)
+    if host_copies:
+        by_dtype: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = collections.defaultdict(lambda: ([], []))
+        for dst, src in host_copies:
+            d, s_ = by_dtype[(src.device, src.dtype)]
+            d.append(dst)
+            s_.append(src)
+        with torch.no_grad():  # sources may be parameters: a copy is not part of any graph
+            for d, s_ in by_dtype.values():
+                torch._foreach_copy_(d, s_)
     events = [record_event(d) for d in main_devices]  # recorded on each device's compute stream
     flags: list[torch.Tensor] = []
     by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
