@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--steps 12] [--threads 2]
     python benchmarks/overhead.py --agreement [--steps 60]   # DDP, gloo, 2 processes
+    python benchmarks/overhead.py --fast [--rounds 10]       # where the guard's time goes on a ~18 ms step
 
 
 GPT-like model (6 layers, d=384, 6 heads, seq 256, batch 8, ~11M params) on CPU, fused AdamW.
@@ -266,8 +267,60 @@ def agreement(steps: int) -> None:
     print("agree/local: the cost of every rank deciding the same (one all-reduce of the statistics vector per step)")
 
 
+def fast(rounds: int, block: int) -> None:
+    """Where the guard's time goes on a fast (~18 ms) CPU step: forward, backward and step timed
+    apart, the bare step and the watched one in alternating blocks (same data, same order)."""
+    torch.set_num_threads(1)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64)
+    variants = {}
+    for name in ("bare", "watched"):
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+        ew = earlywarn.watch(m, o, sinks=[]) if name == "watched" else None
+        variants[name] = (m, o, ew, [])
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 128, (8, 64), generator=g), torch.randint(0, 128, (8, 64), generator=g))
+            for _ in range(block)]
+
+    def one(m, o, ew, out, x, y):
+        t0 = time.thread_time()
+        o.zero_grad(set_to_none=True)
+        _, loss = m(x, y)
+        t1 = time.thread_time()
+        if ew is not None:
+            ew.report_loss(loss)
+        loss.backward()
+        t2 = time.thread_time()
+        o.step()
+        out.append((t1 - t0, t2 - t1, time.thread_time() - t2))
+
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in (("bare", "watched") if r % 2 else ("watched", "bare")):
+            m, o, ew, out = variants[name]
+            for x, y in data:
+                one(m, o, ew, out if r else [], x, y)
+    bare, watched = variants["bare"][3], variants["watched"][3]
+    mean = lambda v: sum(v) / len(v)  # noqa: E731 - means: the snapshot steps count too
+    print(f"GPT 2 layers, d=128 ({param_count(variants['bare'][0]) / 1e6:.2f}M params), batch 8 x 64, fused AdamW, "
+          f"1 thread; {rounds} rounds x {block} steps per variant, alternating; thread CPU time, means")
+    for k, part in enumerate(("forward", "backward", "optimizer.step")):
+        b, w = mean([t[k] for t in bare]) * 1e3, mean([t[k] for t in watched]) * 1e3
+        print(f"  {part:15s} bare {b:7.3f} ms   watched {w:7.3f} ms   +{(w - b) * 1e3:6.0f} us")
+    b, w = mean([sum(t) for t in bare]), mean([sum(t) for t in watched])
+    print(f"  {'whole step':15s} bare {b * 1e3:7.3f} ms   watched {w * 1e3:7.3f} ms   {w / b:.4f}x")
+    variants["watched"][2].close()
+
+
 if __name__ == "__main__":
-    if "--agreement" in sys.argv:
+    if "--fast" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--fast", action="store_true")
+        ap.add_argument("--rounds", type=int, default=10)
+        ap.add_argument("--block", type=int, default=100)
+        a = ap.parse_args()
+        fast(a.rounds, a.block)
+    elif "--agreement" in sys.argv:
         ap = argparse.ArgumentParser()
         ap.add_argument("--agreement", action="store_true")
         ap.add_argument("--steps", type=int, default=60)

@@ -236,6 +236,7 @@ class Watcher:
         }
         self._step_levels = StepLevels()  # alert_level of the row being built (see _emit, _log_metrics)
         self._step = 0  # the training step (a rewind sets it back; events and metrics: _log_offset)
+        self._nan: dict[tuple, torch.Tensor] = {}  # the vector's "not reported" entry, per (device, dtype)
         self._loss: torch.Tensor | None = None  # sum of the losses reported since the last step
         self._loss_count = 0
         self._user_names: list[str] = []  # user signals ("user/<name>"), in the order first reported
@@ -507,7 +508,9 @@ class Watcher:
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
         layer_sq = self._stats.layer_sq_norms(inv_scale)
         dev, dt = layer_sq.device, layer_sq.dtype
-        nan = torch.full((1,), math.nan, dtype=dt, device=dev)
+        nan = self._nan.get((dev, dt))
+        if nan is None:  # made once: a fill kernel per step is host work for nothing
+            nan = self._nan[(dev, dt)] = torch.full((1,), math.nan, dtype=dt, device=dev)
         loss = self._loss
         reported = loss is not None
         if reported and self._loss_count > 1:

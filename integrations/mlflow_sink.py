@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import logging
 import math
 import os
 import pickle
@@ -101,6 +102,10 @@ class MlflowWriter:
         import mlflow
         from mlflow import MlflowClient
         from mlflow.entities import Metric, RunTag
+
+        # A new sqlite store announces its table creation at INFO on stderr: not news to the user
+        # (set after the import, which configures mlflow's loggers).
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
         self._Metric, self._RunTag = Metric, RunTag
         uri = self.o.get("tracking_uri") or mlflow.get_tracking_uri()

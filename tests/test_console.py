@@ -131,6 +131,7 @@ def ev(step, kind, level, message, **kw) -> Event:
 
 def sink_and_stream(**kw) -> tuple[ConsoleSink, io.StringIO]:
     out = io.StringIO()
+    kw.setdefault("min_level", "info")  # these tests read the info lines too (the default is warning)
     return ConsoleSink(stream=out, **kw), out
 
 
@@ -215,7 +216,7 @@ def test_write_is_the_one_place_lines_leave(capsys):
         def write(self, line: str) -> None:
             got.append(line)
 
-    sink = Collect()
+    sink = Collect(min_level="info")
     sink.alert(ev(1, Kind.GRAD_SPIKE, Level.INFO, "spike"))
     sink.finish()
     assert got == ["[earlywarn INFO] step 1: spike"] and capsys.readouterr().err == ""

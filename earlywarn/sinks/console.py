@@ -109,13 +109,15 @@ def _print_pending_at_exit() -> None:
 
 
 class ConsoleSink(Sink):
-    """Prints one line per incident (the events of one step merged) at or above ``min_level``
-    on ``stream`` (stderr by default). Subclass and override :meth:`write` to print elsewhere,
-    e.g. above a progress bar."""
+    """Prints one line per incident (the events of one step merged) at or above ``min_level`` on
+    ``stream`` (stderr by default). ``min_level`` is warning by default: info events (isolated
+    spikes that recovered, the loss scaler's own overflow steps) go to the event log and the
+    trackers, not the console. Subclass and override :meth:`write` to print elsewhere, e.g. above
+    a progress bar."""
 
     name = "console"
 
-    def __init__(self, min_level: Level | str = Level.INFO, stream: TextIO | None = None):
+    def __init__(self, min_level: Level | str = Level.WARNING, stream: TextIO | None = None):
         self.min_level = Level.parse(min_level)
         self.stream = stream
         self._lock = threading.Lock()

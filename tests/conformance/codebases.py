@@ -18,8 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import earlywarn
-from earlywarn.recover import Halt
-from harness import CellResult, Fault, Injector
+from harness import CellResult, Fault, Injector, guarded_run
 from thirdparty import import_torchvision, text_tokens
 
 VOCAB = 128
@@ -43,26 +42,18 @@ def _plain_loop(codebase: str, fault: Fault, model: nn.Module, opt: torch.optim.
                 input_module: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                 options: dict[str, Any], scheduler: Any = None) -> CellResult:
     inj = Injector(fault, model=model, param=param, input_module=input_module, optimizer=lambda: opt)
-    losses: list[float] = []
-    w = None
-    exc: BaseException | None = None
-    try:
-        w = earlywarn.watch(model, opt, scheduler=scheduler, **options)
-        for b in batches:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model, b)
-            w.report_loss(loss)
-            loss.backward()
-            opt.step()
-            if scheduler is not None:
-                scheduler.step()
-            losses.append(float(loss.detach()))
-    except (Halt, Exception) as e:  # noqa: BLE001 - the invariants report it
-        exc = e
-    finally:
-        if w is not None:
-            w.close()
-    return _finish(codebase, fault, w, inj, model, opt, exc, losses)
+
+    def one_step(w: earlywarn.Watcher, b: Any) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, b)
+        w.report_loss(loss)
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        return float(loss.detach())
+
+    return guarded_run(codebase, fault, model, opt, inj, batches, one_step, scheduler=scheduler, **options)
 
 
 # ------------------------------------------------------------------------------ Hugging Face
@@ -116,7 +107,7 @@ def hf_trainer(fault: Fault, options: dict[str, Any], tmp_path: Any, steps: int 
     exc: BaseException | None = None
     try:
         trainer.train()
-    except (Halt, Exception) as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - Halt included: the invariants report it
         exc = e
     w = cb.watcher
     opt = w.optimizer if w is not None else trainer.optimizer
@@ -170,7 +161,7 @@ def lightning_encoder(fault: Fault, options: dict[str, Any], tmp_path: Any, step
     exc: BaseException | None = None
     try:
         trainer.fit(model, loader)
-    except (Halt, Exception) as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - Halt included: the invariants report it
         exc = e
     w = cb.watchers[0] if cb.watchers else None
     opt = w.optimizer if w is not None else trainer.optimizers[0]
@@ -275,35 +266,28 @@ def nanogpt(fault: Fault, options: dict[str, Any], max_iters: int = 45, dtype: s
     ctx = torch.autocast(device_type="cpu", dtype=torch.float16 if dtype == "float16" else torch.bfloat16)
     inj = Injector(fault, model=model, param=model.transformer.h[0].mlp[0].weight, input_module=model.transformer.wte,
                    optimizer=lambda: optimizer, accum=gradient_accumulation_steps)
-    w = None
-    exc: BaseException | None = None
-    losses: list[float] = []
-    try:
-        w = earlywarn.watch(model, optimizer, scaler=scaler, **options)
-        X, Y = get_batch()
-        for iter_num in range(max_iters):
-            lr = get_lr(iter_num)
-            for param_group in optimizer.param_groups:
-                param_group["lr"] = lr
-            for micro_step in range(gradient_accumulation_steps):
-                with ctx:
-                    logits, loss = model(X, Y)
-                    loss = loss / gradient_accumulation_steps
-                w.report_loss(loss)
-                X, Y = get_batch()
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()) * gradient_accumulation_steps)
-    except (Halt, Exception) as e:  # noqa: BLE001
-        exc = e
-    finally:
-        if w is not None:
-            w.close()
-    return _finish(f"nanogpt_{dtype}", fault, w, inj, model, optimizer, exc, losses)
+    batch = list(get_batch())
+
+    def one_iter(w: earlywarn.Watcher, iter_num: int) -> float:
+        lr = get_lr(iter_num)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        for micro_step in range(gradient_accumulation_steps):
+            with ctx:
+                logits, loss = model(*batch)
+                loss = loss / gradient_accumulation_steps
+            w.report_loss(loss)
+            batch[:] = get_batch()
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()) * gradient_accumulation_steps
+
+    return guarded_run(f"nanogpt_{dtype}", fault, model, optimizer, inj, range(max_iters), one_iter, scaler=scaler,
+                       **options)
 
 
 # ------------------------------------------------------------------------------ every torch.optim optimizer

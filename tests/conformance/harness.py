@@ -244,6 +244,28 @@ def check_invariants(r: CellResult) -> None:
         assert Kind.NONFINITE_GRAD not in kinds, f"{desc}: a huge finite gradient was reported as non-finite\n{event_lines}"
 
 
+def guarded_run(codebase: str, fault: Fault, model: nn.Module, opt: torch.optim.Optimizer, injector: Injector,
+                batches: Iterable[Any], one_step: Callable[[Any, Any], float | None], **watch_options: Any) -> CellResult:
+    """``earlywarn.watch(model, opt, **watch_options)``, then ``one_step(watcher, batch)`` (one
+    optimizer step of the loop under test; it returns the loss, or None) for every batch. An
+    exception (a ``Halt`` included) ends the run and is kept for the invariants to report."""
+    w, exc, losses = None, None, []
+    try:
+        w = earlywarn.watch(model, opt, **watch_options)
+        for b in batches:
+            loss = one_step(w, b)
+            if loss is not None:
+                losses.append(loss)
+    except Exception as e:  # noqa: BLE001 - Halt included: the invariants report it
+        exc = e
+    finally:
+        if w is not None:
+            w.close()
+    injector.remove()
+    return CellResult(codebase, fault, list(w.events) if w else [], dict(w.counters) if w else {}, exc, injector,
+                      model, opt, losses)
+
+
 def watcher_events(w: Any) -> tuple[list[Event], dict[str, int]]:
     return list(w.events), dict(w.counters)
 
@@ -259,5 +281,5 @@ def finite_losses(losses: Iterable[float]) -> bool:
     return all(math.isfinite(v) for v in losses)
 
 
-__all__ = ["FAULTS", "Fault", "Injector", "CellResult", "check_invariants", "nonfinite_tensors",
+__all__ = ["FAULTS", "Fault", "Injector", "CellResult", "check_invariants", "guarded_run", "nonfinite_tensors",
            "watcher_events", "quiet_options", "earlywarn"]

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 import earlywarn
 from earlywarn.events import Kind, Level
-from earlywarn.recover import Halt
-from harness import Fault, Injector, CellResult, check_invariants, quiet_options
+from harness import CellResult, Fault, Injector, check_invariants, guarded_run
 
 torch.set_num_threads(1)
 
@@ -33,36 +32,29 @@ def run(name: str, model: nn.Module, opt: torch.optim.Optimizer, batch: Callable
         scaler: torch.amp.GradScaler | None = None, options: dict[str, Any] | None = None) -> CellResult:
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     inj = Injector(Fault("none"), model=model, param=first.weight, input_module=first, optimizer=lambda: opt)
-    w, exc, losses = None, None, []
-    try:
-        w = earlywarn.watch(model, opt, scheduler=scheduler, scaler=scaler, **(options or {"sinks": []}))
-        for step in range(steps):
-            x, y = batch(step)
-            opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                with torch.autocast("cpu", dtype=torch.float16):
-                    out = model(x)
-                loss = loss_fn(out.float(), y)
-                w.report_loss(loss)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss = loss_fn(model(x), y)
-                w.report_loss(loss)
-                loss.backward()
-                opt.step()
-            if scheduler is not None:
-                scheduler.step()
-            losses.append(float(loss.detach()))
-    except (Halt, Exception) as e:  # noqa: BLE001 - the invariants report it
-        exc = e
-    finally:
-        if w is not None:
-            w.close()
-    inj.remove()
-    return CellResult(name, Fault("none"), list(w.events) if w else [], dict(w.counters) if w else {}, exc, inj,
-                      model, opt, losses)
+
+    def one_step(w: earlywarn.Watcher, step: int) -> float:
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = loss_fn(out.float(), y)
+            w.report_loss(loss)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss = loss_fn(model(x), y)
+            w.report_loss(loss)
+            loss.backward()
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        return float(loss.detach())
+
+    return guarded_run(name, Fault("none"), model, opt, inj, range(steps), one_step, scheduler=scheduler, scaler=scaler,
+                       **(options or {"sinks": []}))
 
 
 def regression(batch_size: int, seed: int, *, scale: float, noise: float):

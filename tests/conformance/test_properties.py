@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import earlywarn
-from earlywarn.recover import Halt
-from harness import FAULTS, CellResult, Fault, Injector, check_invariants
+from harness import FAULTS, CellResult, Fault, Injector, check_invariants, guarded_run
 
 torch.set_num_threads(1)
 
@@ -74,26 +73,19 @@ def run_cell(c: dict, steps: int = 36) -> CellResult:
     options: dict = {"sinks": [], "group_by": c["group_by"]}
     if c["snapshot_every"] is not None:
         options["recovery"] = earlywarn.RecoveryConfig(snapshot_every=c["snapshot_every"])
-    w, exc = None, None
-    try:
-        w = earlywarn.watch(model, opt, **options)
-        for _ in range(steps):
-            x = torch.randn(c["batch"], 6, generator=g)
-            y = torch.tanh(x @ w_true) + 0.1 * torch.randn(c["batch"], 1, generator=g)
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), y)
-            if c["report_loss"]:
-                w.report_loss(loss)
-            loss.backward()
-            opt.step()
-    except (Halt, Exception) as e:  # noqa: BLE001 - the invariants report it
-        exc = e
-    finally:
-        if w is not None:
-            w.close()
-    inj.remove()
-    return CellResult(f"random_{c['optimizer']}", fault, list(w.events) if w else [], dict(w.counters) if w else {},
-                      exc, inj, model, opt)
+
+    def one_step(w: earlywarn.Watcher, _: int) -> float:
+        x = torch.randn(c["batch"], 6, generator=g)
+        y = torch.tanh(x @ w_true) + 0.1 * torch.randn(c["batch"], 1, generator=g)
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        if c["report_loss"]:
+            w.report_loss(loss)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return guarded_run(f"random_{c['optimizer']}", fault, model, opt, inj, range(steps), one_step, **options)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
