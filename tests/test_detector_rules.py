@@ -15,6 +15,8 @@ import pytest
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector, replay
 from earlywarn.detect.detector import _fmt, _times
 from earlywarn.detect.observation import StepColumns
+
+from detector_paths import replay_three_ways
 from earlywarn.detect.replay import observations_from_arrays
 from earlywarn.events import Kind, Level
 
@@ -187,26 +189,8 @@ def _mixed_columns(T: int = 5000, seed: int = 21) -> StepColumns:
 
 @pytest.mark.parametrize("cuts", [(0, 5000), (0, 1999, 2601, 3705, 5000)])
 def test_calm_general_and_columns_paths_agree_bit_for_bit_on_the_new_rules(cuts):
-    cols = _mixed_columns()
-    names = [f"l{i}" for i in range(4)]
-    same = lambda s: s._replace(stats=None, dev=None)  # noqa: E731
-    rows, full, by_cols = (StreamingDetector(layer_names=names) for _ in range(3))
-    full.detector._force_full = True
-    got = {"rows": [], "full": [], "cols": []}
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        for i in range(a, b):
-            o = cols.observation(i)
-            got["rows"] += [(i, e.message) for e in rows.observe(o)]
-            got["full"] += [(i, e.message) for e in full.observe(o)]
-        got["cols"] += [(i, e.message) for i, e in by_cols.observe_columns(cols, a, b)]
-        s1, s2, s3 = rows.state, full.state, by_cols.state
-        np.testing.assert_array_equal(s1.stats, s3.stats)
-        np.testing.assert_array_equal(s1.stats, s2.stats)
-        np.testing.assert_array_equal(np.nan_to_num(s1.dev), np.nan_to_num(s2.dev))
-        np.testing.assert_array_equal(s1.dev, s3.dev)
-        assert same(s1) == same(s3) and same(s1) == same(s2)
-    assert got["rows"] == got["cols"] == got["full"]
-    kinds = {m.split(" ")[0] for _, m in got["rows"]}
+    rows, alerts = replay_three_ways(_mixed_columns(), [f"l{i}" for i in range(4)], cuts)
+    kinds = {m.split(" ")[0] for _, m in alerts}
     assert {"The", "Loss"} <= kinds  # the LR rule and the loss rules fired
     assert rows.state.loss_shift == 8.0 and rows.state.lr_n == 5000  # offsets 1 or 2, then 8
 

@@ -16,6 +16,8 @@ from earlywarn.detect import Detector, DetectorConfig, Observation, StreamingDet
 from earlywarn.detect.observation import StepColumns
 from earlywarn.events import Kind, Level
 
+from detector_paths import replay_three_ways
+
 
 def _run(T: int = 1200, seed: int = 0, user: np.ndarray | None = None, known: np.ndarray | None = None):
     rng = np.random.default_rng(seed)
@@ -117,28 +119,10 @@ def _mixed_user_columns(T: int = 5200, seed: int = 4) -> StepColumns:
 
 @pytest.mark.parametrize("cuts", [(0, 5200), (0, 999, 2001, 4100, 4501, 5200)])
 def test_calm_general_and_columns_paths_agree_bit_for_bit_with_user_signals(cuts):
-    cols = _mixed_user_columns()
     names = ["x", "y", "z"]
-    same = lambda s: s._replace(stats=None, dev=None)  # noqa: E731
-    rows, full, by_cols = (StreamingDetector(layer_names=names) for _ in range(3))
-    full.detector._force_full = True
-    got = {"rows": [], "full": [], "cols": []}
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        for i in range(a, b):
-            o = cols.observation(i)
-            got["rows"] += [(i, e.message) for e in rows.observe(o)]
-            got["full"] += [(i, e.message) for e in full.observe(o)]
-        got["cols"] += [(i, e.message) for i, e in by_cols.observe_columns(cols, a, b)]
-        s1, s2, s3 = rows.state, full.state, by_cols.state
-        assert s1.channels == s2.channels == s3.channels
-        np.testing.assert_array_equal(s1.stats, s3.stats)
-        np.testing.assert_array_equal(s1.stats, s2.stats)
-        np.testing.assert_array_equal(np.nan_to_num(s1.dev), np.nan_to_num(s2.dev))
-        np.testing.assert_array_equal(s1.dev, s3.dev)
-        assert same(s1) == same(s3) and same(s1) == same(s2)
-    assert got["rows"] == got["cols"] == got["full"]
+    rows, alerts = replay_three_ways(_mixed_user_columns(), names, cuts)
     assert rows.user_names == ("user/attn", "user/b", "user/c") and rows.layer_names == tuple(names)
-    msgs = " | ".join(m for _, m in got["rows"])
+    msgs = " | ".join(m for _, m in alerts)
     for what in ("user/attn is NaN", "Isolated user/attn spike", "user/attn is escalating",
                  "user/attn has been rising", "grad_norm is escalating"):
         assert what in msgs, what
