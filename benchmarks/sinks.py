@@ -16,8 +16,8 @@ watcher is flushed (untimed) so one setup's backlog never lands in another's tim
 each block's median step time is divided by the bare step's and by the guard-alone step's; the
 tables give the median over rounds ("x bare": the whole cost; "x guard": what the sinks add).
 Also printed: the training thread's own time in the sink path per step (everything inside
-``Watcher._log_metrics``: the step's metrics record and every sink call; in brackets the part
-spent reading ``detector.score``, which the detector computes on demand), and the CPU that
+``Watcher._log_metrics``: the step's metrics record and every sink call; in brackets the part of
+it spent reading ``detector.score``, which the detector computes on demand), and the CPU that
 background work used per step (the MLflow writer process, W&B's worker thread). Both columns
 are medians over steps; the ratios are medians over rounds of per-block medians.
 
@@ -161,23 +161,32 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                 names = default_sink_specs() if sinks is None else sinks
                 ew = earlywarn.watch(model, opt, sinks=sinks, sink_options={k: v for k, v in opts.items() if k in names})
                 spent: list[float] = []
+                score_spent: list[float] = []
+                in_path = [0.0, False]  # detector.score time within this step's sink path; inside it now
                 orig = ew._log_metrics
 
-                def timed(step: int, obs: Any, _orig: Callable = orig, _spent: list = spent) -> None:
+                def timed(step: int, obs: Any, _orig: Callable = orig, _spent: list = spent,
+                          _score: list = score_spent, _in: list = in_path) -> None:
+                    _in[0], _in[1] = 0.0, True
                     t0 = time.perf_counter()
-                    _orig(step, obs)
-                    _spent.append(time.perf_counter() - t0)
+                    try:
+                        _orig(step, obs)
+                    finally:
+                        _spent.append(time.perf_counter() - t0)
+                        _score.append(_in[0])
+                        _in[1] = False
 
                 ew._log_metrics = timed  # the training thread's whole sink path: build_metrics + sink calls
-                score_spent: list[float] = []
                 det_cls = type(ew.detector)
 
-                class TimedScore(det_cls):  # the detector's score, read in that path: timed apart
+                class TimedScore(det_cls):  # the detector's score, when the sink path reads it: timed apart
                     @property
-                    def score(self, _cls: type = det_cls, _spent: list = score_spent) -> float:
+                    def score(self, _cls: type = det_cls, _in: list = in_path) -> float:
+                        if not _in[1]:
+                            return _cls.score.fget(self)  # the guard's own read: not the sinks'
                         t0 = time.perf_counter()
                         v = _cls.score.fget(self)
-                        _spent.append(time.perf_counter() - t0)
+                        _in[0] += time.perf_counter() - t0
                         return v
 
                 ew.detector.__class__ = TimedScore

@@ -49,6 +49,7 @@ class DeferredStep:
                 del opt.grad_scale
 
     def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's wrapper records
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -59,6 +60,11 @@ class DeferredStep:
             return loss if closure is not None else out
         self.watcher.apply_step(pending, **kwargs)
         return loss
+
+    # An LR scheduler built before this wrapper checks for its own marker on optimizer.step at its
+    # first step ("optimizer.step() has been overridden after learning rate scheduler
+    # initialization"): _step records the call the way the scheduler's wrapper would.
+    _step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def remove(self) -> None:
         """Put the watcher's own wrapper back (before ``watcher.detach()``)."""

@@ -102,6 +102,31 @@ def test_lightning_callback_skips_the_faulty_step(optimizer, tmp_path):
     assert "step" not in trainer.optimizers[0].__dict__  # detached at the end of fit
 
 
+def test_lightning_with_a_step_scheduler_gets_no_scheduler_order_warning(tmp_path, recwarn):
+    # The scheduler is built in configure_optimizers, before the callback's wrapper goes on
+    # optimizer.step: torch warns at the scheduler's first step unless the wrapper carries the
+    # scheduler's marker and records the optimizer call.
+    pl = pytest.importorskip("lightning.pytorch")
+    from earlywarn.integrations.lightning_callback import EarlywarnCallback
+
+    class Scheduled(type(make_lightning_module("adamw"))):  # type: ignore[misc]
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    torch.manual_seed(0)
+    cb = EarlywarnCallback(sinks=[])
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                         default_root_dir=tmp_path)
+    trainer.fit(Scheduled(), DataLoader(regression_data(), batch_size=8))
+    order = [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)]
+    assert order == []
+    assert [e.step for e in cb.watcher.events if e.kind is Kind.SKIP] == [FAULT]
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8  # the schedule advanced every step
+
+
 def test_lightning_callback_sees_gradients_before_clipping_and_the_loss():
     pl = pytest.importorskip("lightning.pytorch")
     from earlywarn.integrations.lightning_callback import EarlywarnCallback
