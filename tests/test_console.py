@@ -192,6 +192,18 @@ def test_min_level_applies_to_the_whole_incident():
     ]
 
 
+def test_the_default_console_prints_warnings_and_worse_only():
+    # info incidents (an isolated spike that recovered, the loss scaler's own overflow step) go
+    # to the event log and the trackers; on the console they would be noise in a healthy run
+    out = io.StringIO()
+    sink = ConsoleSink(stream=out)
+    sink.alert(ev(1, Kind.GRAD_SPIKE, Level.INFO, "spike"))
+    sink.log_metrics(1, {})
+    sink.alert(ev(2, Kind.GRAD_SPIKE, Level.WARNING, "spike again"))
+    sink.finish()
+    assert lines_of(out) == ["[earlywarn WARNING] step 2: spike again"]
+
+
 def test_tracker_status_is_printed_at_once_without_a_step():
     sink, out = sink_and_stream()
     sink.alert(ev(5, Kind.GRAD_SPIKE, Level.INFO, "spike"))
