@@ -261,6 +261,38 @@ def test_report_loss_under_gradient_accumulation_is_the_mean_of_the_micro_batche
     ew.close()
 
 
+def test_a_loop_that_clips_decides_on_the_raw_gradients_with_decide_step():
+    # clip_grad_norm_ between backward and optimizer.step scales every gradient by the same
+    # factor: inside optimizer.step earlywarn would see the clipped norm. decide_step() before
+    # the clip takes the step's statistics and decision on the raw gradients; apply_step()
+    # applies it (a skipped step leaves everything as it is).
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen, raw = [], []
+    ew = earlywarn.watch(model, opt, sinks=[])
+    observe = ew.detector.observe
+    ew.detector.observe = lambda obs: (seen.append(obs.grad_norm), observe(obs))[1]
+    for i, (x, y) in enumerate(data(6)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        if i == 4:
+            model.hidden.weight.grad[2, 3] = math.inf
+        raw.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        pending = ew.decide_step()
+        nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        before = [p.detach().clone() for p in model.parameters()]
+        ew.apply_step(pending)
+        if i == 4:
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert seen[:4] == pytest.approx(raw[:4], rel=1e-5) and min(seen[:4]) > 1e-3  # not the clipped 1e-3
+    assert math.isinf(seen[4]) and ew.counters["skipped_steps"] == 1 and ew.step == 6
+    assert finite(model, opt)
+    ew.close()
+
+
 BAD_OPTIONS = [
     (dict(sinks="console"), TypeError, r"sinks= takes a list of sink names or Sink instances, got 'console': write sinks=\['console'\]"),
     (dict(sinks=[42]), TypeError, r"sinks\[0\]=42: a sink is a registered name"),
