@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from earlywarn.capture.clipping import observe_clipping, unclip
 from earlywarn.capture.gradstats import GradStats
 from earlywarn.capture.grouping import GroupBy, build_layer_map
 from earlywarn.capture.hostread import LateReader, SyncReader
@@ -129,7 +130,7 @@ def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
 class _Tag:
     """What the host needs to know about a step whose vector may arrive a step late."""
 
-    __slots__ = ("step", "batch", "loss_reported", "counts", "inv_scale", "gen", "users")
+    __slots__ = ("step", "batch", "loss_reported", "counts", "inv_scale", "gen", "users", "clip")
 
     def __init__(self, step: int, batch: Any, loss_reported: bool):
         self.step = step
@@ -139,6 +140,7 @@ class _Tag:
         self.counts: np.ndarray | None = None
         self.inv_scale: torch.Tensor | None = None  # for the rare-path recount (sync mode)
         self.gen = 0  # the watcher's rewind generation when the step ran (async mode)
+        self.clip: torch.Tensor | None = None  # the loop's clip factor, undone in the statistics (and the recount)
 
 
 class Watcher:
@@ -205,6 +207,9 @@ class Watcher:
         self._reader = LateReader(fixed_lag=2 if dist else None) if late else SyncReader()
         # Async mode cannot recount a layer after the fact: exact (float64) norms from the start.
         self._stats = GradStats(self.layer_map, exact=late)
+        # the loop's clip_grad_norm_ (between backward and this step): its factor, to read the raw norms
+        self._clipping = observe_clipping(self.layer_map.params)
+        self._step_clip: torch.Tensor | None = None
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants (sync, fused)
         self._gen = 0  # async: bumped by a rewind; steps of an older generation were undone in flight
 
@@ -438,6 +443,7 @@ class Watcher:
                 self._process(vec, tag)
         finally:
             self._detached = True
+            self._clipping.close()
             for h in self._order_hooks:
                 h.remove()
             self._order_hooks = []
@@ -508,6 +514,9 @@ class Watcher:
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
         layer_sq = self._stats.layer_sq_norms(inv_scale)
         dev, dt = layer_sq.device, layer_sq.dtype
+        clip = self._step_clip = self._clipping.take(dev, dt)
+        if clip is not None:  # the loop clipped these gradients: the detector reads them as they were
+            layer_sq = unclip(layer_sq, clip)
         nan = self._nan.get((dev, dt))
         if nan is None:  # made once: a fill kernel per step is host work for nothing
             nan = self._nan[(dev, dt)] = torch.full((1,), math.nan, dtype=dt, device=dev)
@@ -549,7 +558,7 @@ class Watcher:
         vec, reported, users = self._device_vector(inv_scale)
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
         tag.users = users
-        tag.inv_scale, tag.gen = inv_scale, self._gen
+        tag.inv_scale, tag.gen, tag.clip = inv_scale, self._gen, self._step_clip
         self.recovery.fingerprints.bind(self._step)  # what the forward passes since the last step saw
         self._step += 1
         return vec, tag
@@ -739,6 +748,8 @@ class Watcher:
                 # Every element finite, yet the float32 squared norm overflowed (|g| >~ 1.8e19):
                 # a huge finite gradient is a spike, not a non-finite one. Recount in float64.
                 exact = self._stats.layer_sq_norms(tag.inv_scale, exact=True)
+                if tag.clip is not None:
+                    exact = unclip(exact, tag.clip)
                 if self._reducer is not None:  # every rank is on this path too
                     pad = torch.full((2,), math.nan, dtype=exact.dtype, device=exact.device)
                     exact = self._reducer.reduce(torch.cat([exact, pad]), loss_reported=tag.loss_reported)[:-2]

@@ -255,6 +255,33 @@ def test_hf_trainer_callback_reports_the_model_loss(tmp_path):
         assert obs.loss == pytest.approx(math.log(50), rel=0.2)
 
 
+def test_hf_trainer_gradients_are_read_as_they_were_before_max_grad_norm(tmp_path):
+    # The Trainer clips (accelerate -> torch.nn.utils.clip_grad_norm_) before any callback runs;
+    # earlywarn undoes the clip's factor, so it reads the norm the Trainer itself logs as grad_norm.
+    transformers = pytest.importorskip("transformers")
+    from earlywarn.integrations.hf_callback import EarlywarnTrainerCallback
+
+    model = tiny_gpt2()
+    cb = EarlywarnTrainerCallback(sinks=[])
+    seen: list[float] = []
+
+    class Probe(transformers.TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            orig = cb.watcher.detector.observe
+            cb.watcher.detector.observe = lambda obs: (seen.append(obs.grad_norm), orig(obs))[1]
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, max_grad_norm=1e-3,
+        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=HFData(), callbacks=[cb, Probe()])
+    trainer.train()
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(seen) == len(logged) == 4
+    assert seen == pytest.approx([float(v) for v in logged], rel=1e-4)
+    assert min(seen) > 1e-2  # not the clipped 1e-3
+
+
 # --------------------------------------------------------------------------------- Accelerate
 def test_accelerate_watch_skips_the_faulty_step():
     accelerate = pytest.importorskip("accelerate")
