@@ -232,11 +232,11 @@ def test_hf_trainer_callback_skips_the_faulty_step(tmp_path):
     assert "step" not in inner.__dict__  # detached at the end of training
 
 
-def test_hf_trainer_callback_reports_the_model_loss(tmp_path):
+def train_hf_observed(tmp_path: Any, **training_args: Any) -> tuple[list[Any], Any]:
+    """A tiny GPT-2 under the Trainer with earlywarn's callback; every observation the detector got."""
     transformers = pytest.importorskip("transformers")
     from earlywarn.integrations.hf_callback import EarlywarnTrainerCallback
 
-    model = tiny_gpt2()
     cb = EarlywarnTrainerCallback(sinks=[])
     seen: list[Any] = []
 
@@ -245,11 +245,15 @@ def test_hf_trainer_callback_reports_the_model_loss(tmp_path):
             orig = cb.watcher.detector.observe
             cb.watcher.detector.observe = lambda obs: (seen.append(obs), orig(obs))[1]
 
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
-    )
-    transformers.Trainer(model=model, args=args, train_dataset=HFData(), callbacks=[cb, Probe()]).train()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[],
+                                          save_strategy="no", use_cpu=True, disable_tqdm=True, **training_args)
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=HFData(), callbacks=[cb, Probe()])
+    trainer.train()
+    return seen, trainer
+
+
+def test_hf_trainer_callback_reports_the_model_loss(tmp_path):
+    seen, _ = train_hf_observed(tmp_path, max_steps=2, gradient_accumulation_steps=2, logging_strategy="no")
     assert len(seen) == 2
     for obs in seen:  # mean token cross-entropy of a random 50-token vocabulary: about log(50)
         assert obs.loss == pytest.approx(math.log(50), rel=0.2)
@@ -258,28 +262,12 @@ def test_hf_trainer_callback_reports_the_model_loss(tmp_path):
 def test_hf_trainer_gradients_are_read_as_they_were_before_max_grad_norm(tmp_path):
     # The Trainer clips (accelerate -> torch.nn.utils.clip_grad_norm_) before any callback runs;
     # earlywarn undoes the clip's factor, so it reads the norm the Trainer itself logs as grad_norm.
-    transformers = pytest.importorskip("transformers")
-    from earlywarn.integrations.hf_callback import EarlywarnTrainerCallback
-
-    model = tiny_gpt2()
-    cb = EarlywarnTrainerCallback(sinks=[])
-    seen: list[float] = []
-
-    class Probe(transformers.TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            orig = cb.watcher.detector.observe
-            cb.watcher.detector.observe = lambda obs: (seen.append(obs.grad_norm), orig(obs))[1]
-
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, max_grad_norm=1e-3,
-        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True,
-    )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=HFData(), callbacks=[cb, Probe()])
-    trainer.train()
-    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    assert len(seen) == len(logged) == 4
-    assert seen == pytest.approx([float(v) for v in logged], rel=1e-4)
-    assert min(seen) > 1e-2  # not the clipped 1e-3
+    seen, trainer = train_hf_observed(tmp_path, max_steps=4, max_grad_norm=1e-3, logging_steps=1)
+    logged = [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    norms = [obs.grad_norm for obs in seen]
+    assert len(norms) == len(logged) == 4
+    assert norms == pytest.approx(logged, rel=1e-4)
+    assert min(norms) > 1e-2  # not the clipped 1e-3
 
 
 # --------------------------------------------------------------------------------- Accelerate
