@@ -165,12 +165,12 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                 in_path = [0.0, False]  # detector.score time within this step's sink path; inside it now
                 orig = ew._log_metrics
 
-                def timed(step: int, obs: Any, _orig: Callable = orig, _spent: list = spent,
+                def timed(step: int, obs: Any, *rest: Any, _orig: Callable = orig, _spent: list = spent,
                           _score: list = score_spent, _in: list = in_path) -> None:
                     _in[0], _in[1] = 0.0, True
                     t0 = time.perf_counter()
                     try:
-                        _orig(step, obs)
+                        _orig(step, obs, *rest)
                     finally:
                         _spent.append(time.perf_counter() - t0)
                         _score.append(_in[0])

@@ -209,7 +209,6 @@ class Watcher:
         self._stats = GradStats(self.layer_map, exact=late)
         # the loop's clip_grad_norm_ (between backward and this step): its factor, to read the raw norms
         self._clipping = observe_clipping(self.layer_map.params)
-        self._step_clip: torch.Tensor | None = None
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants (sync, fused)
         self._gen = 0  # async: bumped by a rewind; steps of an older generation were undone in flight
 
@@ -509,12 +508,12 @@ class Watcher:
         self._order_hooks = []
         self._grad_seq = []
 
-    def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool, tuple]:
+    def _device_vector(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool, tuple, torch.Tensor | None]:
         # [per-layer squared norms..., loss, loss scale, user signals...]: one vector, one transfer.
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
         layer_sq = self._stats.layer_sq_norms(inv_scale)
         dev, dt = layer_sq.device, layer_sq.dtype
-        clip = self._step_clip = self._clipping.take(dev, dt)
+        clip = self._clipping.take(dev, dt)
         if clip is not None:  # the loop clipped these gradients: the detector reads them as they were
             layer_sq = unclip(layer_sq, clip)
         nan = self._nan.get((dev, dt))
@@ -547,7 +546,7 @@ class Watcher:
         # the LR this step is taken with (a host number: no device work), kept until the step's
         # vector is read (a step later in async mode, when the scheduler has moved on)
         self._step_lr[self._step] = learning_rate(self.optimizer)
-        return vec, reported, users
+        return vec, reported, users, clip
 
     def _all_reduce(self, vec: torch.Tensor, reported: bool) -> torch.Tensor:
         assert self._reducer is not None
@@ -555,10 +554,10 @@ class Watcher:
 
     def _begin(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, _Tag]:
         self._settle_backward_order()
-        vec, reported, users = self._device_vector(inv_scale)
+        vec, reported, users, clip = self._device_vector(inv_scale)
         tag = _Tag(self._step, self.recovery.last_batch(), reported)
         tag.users = users
-        tag.inv_scale, tag.gen, tag.clip = inv_scale, self._gen, self._step_clip
+        tag.inv_scale, tag.gen, tag.clip = inv_scale, self._gen, clip
         self.recovery.fingerprints.bind(self._step)  # what the forward passes since the last step saw
         self._step += 1
         return vec, tag
@@ -854,10 +853,11 @@ class Watcher:
         if self._incident_step is None or tag.step - self._incident_step > window:
             self._incident_onset = None
         clean = self._unclean_step is None or tag.step - self._unclean_step > window
-        self._elevated = self.detector.score >= self.detector.cfg.spike_z
+        score = self.detector.score  # computed on demand: once per step, for both uses
+        self._elevated = score >= self.detector.cfg.spike_z
         self.counters["steps"] = self._step
         self.recovery.after_step(tag.step, clean=clean and not decision.skip, building=self._building_at(tag.step))
-        self._log_metrics(tag.step, obs)  # after recovery: its checkpoint or repair counts in this step's row
+        self._log_metrics(tag.step, obs, score)  # after recovery: its checkpoint or repair counts in this step's row
 
     def _process(self, host: np.ndarray, tag: _Tag) -> None:
         """Async mode: a step's vector arrived late (its update, and maybe later ones, already
@@ -1013,7 +1013,7 @@ class Watcher:
             for sink in self.sinks:
                 _safe(sink, "checkpoint", event.step, path, event.signal or "checkpoint")
 
-    def _log_metrics(self, step: int, obs: Observation | None) -> None:
+    def _log_metrics(self, step: int, obs: Observation | None, score: float | None = None) -> None:
         step += self._log_offset  # the run's clock (see _log_offset)
         level = self._step_levels.take()
         if not any(_takes_metrics(sink) for sink in self.sinks):
@@ -1022,7 +1022,7 @@ class Watcher:
         metrics = StepMetrics(
             step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
             layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
-            score=None if obs is None else self.detector.score, level=level,
+            score=None if obs is None else (self.detector.score if score is None else score), level=level,
             counters=self.counters, config=self.metrics_config,
             user=None if obs is None else {k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
         )
