@@ -224,7 +224,7 @@ def _agreement_worker(rank: int, port: int, steps: int, out: "torch.multiprocess
         t_coll = []
         for _ in range(300):
             t0 = time.perf_counter()
-            ew._reducer.reduce(vec, loss_reported=False)
+            ew._reducer.reduce(vec)
             t_coll.append(time.perf_counter() - t0)
         bare = variants["bare DDP step"][3]
         row = {"label": label, "bare_ms": statistics.median(bare) * 1e3, "coll_us": statistics.median(t_coll) * 1e6}

@@ -215,8 +215,8 @@ class Watcher:
         self._dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if self._dist else 0
         self.world_size = torch.distributed.get_world_size() if self._dist else 1
-        # One all-reduce per step at most, so every rank feeds the detector the same vector
-        # (capture/distributed.py says when it is needed: sharded grads, or a reported loss).
+        # One all-reduce of the statistics vector per step, so every rank feeds the detector the
+        # same vector and takes the same decisions (capture/distributed.py).
         self._reducer = None
         if self._dist and self.world_size > 1:
             from earlywarn.capture.distributed import StatsReducer
@@ -542,15 +542,11 @@ class Watcher:
             users = tuple(given)
         vec = torch.cat(parts)
         if self._reducer is not None:
-            vec = self._all_reduce(vec, reported)
+            vec = self._reducer.reduce(vec)
         # the LR this step is taken with (a host number: no device work), kept until the step's
         # vector is read (a step later in async mode, when the scheduler has moved on)
         self._step_lr[self._step] = learning_rate(self.optimizer)
         return vec, reported, users, clip
-
-    def _all_reduce(self, vec: torch.Tensor, reported: bool) -> torch.Tensor:
-        assert self._reducer is not None
-        return self._reducer.reduce(vec, loss_reported=reported)
 
     def _begin(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, _Tag]:
         self._settle_backward_order()
@@ -740,7 +736,7 @@ class Watcher:
             # Rare path (a bad step): a second pass for exact per-layer element counts.
             counts = self._stats.layer_nonfinite_counts()
             if self._reducer is not None:  # every rank is on this path (same vector): matched collective
-                counts = self._reducer.reduce_counts(counts, loss_reported=tag.loss_reported)
+                counts = self._reducer.reduce_counts(counts)
             tag.counts = counts.cpu().numpy()
             overflowed = ~np.isfinite(host[:L]) & (tag.counts == 0)
             if overflowed.any():
@@ -751,7 +747,7 @@ class Watcher:
                     exact = unclip(exact, tag.clip)
                 if self._reducer is not None:  # every rank is on this path too
                     pad = torch.full((2,), math.nan, dtype=exact.dtype, device=exact.device)
-                    exact = self._reducer.reduce(torch.cat([exact, pad]), loss_reported=tag.loss_reported)[:-2]
+                    exact = self._reducer.reduce(torch.cat([exact, pad]))[:-2]
                 host = host.copy()
                 host[:L][overflowed] = exact.cpu().numpy()[overflowed]
         return host

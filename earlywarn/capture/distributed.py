@@ -57,11 +57,6 @@ class StatsReducer:
         self.collectives = 0  # issued so far (tests and benchmarks read it)
         self._post: torch.Tensor | None = None
 
-    def needs_collective(self, loss_reported: bool) -> bool:
-        """Whether this step's vector must be exchanged: always with more than one rank (see the
-        module docstring: replicas that should agree are exactly where a rank-local fault hides)."""
-        return self.world_size > 1
-
     def _post_scale(self, vec: torch.Tensor) -> torch.Tensor:
         # After the SUM: sharded layer entries are already exact sums; replicated entries (DDP
         # layers, the loss, the loss scale, the user's own signals) are means over ranks.
@@ -75,31 +70,29 @@ class StatsReducer:
             self._post = post
         return self._post
 
-    def reduce(self, vec: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:
+    def reduce(self, vec: torch.Tensor) -> torch.Tensor:
         """``[layer_sq..., loss, loss_scale, user signals...]`` of this rank -> the same vector on
         every rank.
 
-        At most one all-reduce, issued on the vector's device without a host sync.
+        One all-reduce, issued on the vector's device without a host sync: every step, with more
+        than one rank (see the module docstring: replicas that should agree are exactly where a
+        rank-local fault hides).
         """
         expected = self.layer_map.num_layers + 2
         if vec.dim() != 1 or vec.shape[0] < expected:
             raise ValueError(f"statistics vector has shape {tuple(vec.shape)}, expected ({expected} + user signals,): "
                              "[layer_sq..., loss, loss_scale, user signals...]")
-        if not self.needs_collective(loss_reported):
-            return vec
         out = vec.clone()
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=self.group)
         self.collectives += 1
         return out.mul_(self._post_scale(out))
 
-    def reduce_counts(self, counts: torch.Tensor, *, loss_reported: bool) -> torch.Tensor:
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Per-layer non-finite element counts (the rare second pass on a bad step) made global.
 
         Every rank takes that pass together (it follows from the agreed vector), so this extra
         collective is matched on every rank; it happens only on non-finite steps.
         """
-        if not self.needs_collective(loss_reported):
-            return counts
         out = counts.clone()
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=self.group)
         self.collectives += 1
@@ -109,8 +102,3 @@ class StatsReducer:
         # after the reduction): that element still counts.
         nearest = out.round()
         return torch.where((out - nearest).abs() < 1e-6, nearest, out.ceil())
-
-
-def reduce_stats(vec: torch.Tensor, layer_map: LayerMap, world_size: int, *, loss_reported: bool = True) -> torch.Tensor:
-    """One-shot form of :meth:`StatsReducer.reduce` (the watcher keeps a reducer instead)."""
-    return StatsReducer(layer_map, world_size).reduce(vec, loss_reported=loss_reported)
