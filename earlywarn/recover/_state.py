@@ -275,7 +275,14 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
             events += flag_events
         else:
             for device, flag in device_flags:
-                flags.append(_host_flag(flag, _side_stream(device) if device.type == "cuda" else None))
+                if device.type != "cuda":
+                    flags.append(flag)
+                    continue
+                stream = _side_stream(device)
+                flags.append(_host_flag(flag, stream))
+                with torch.cuda.stream(stream):
+                    # finite() reads the flag once the events have completed: this one follows its copy
+                    events.append(record_event(device))
     host = HostCopy(out, events, flags=flags, owned=owned_host)
     host.checked = check_finite
     return host
@@ -284,7 +291,7 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
 def _host_flag(flag: torch.Tensor, stream: Any) -> torch.Tensor:
     if flag.device.type != "cuda":
         return flag
-    with torch.cuda.stream(stream):  # after the flag's kernels; the copy's event follows below
+    with torch.cuda.stream(stream):  # after the flag's kernels; the caller records the copy's event
         host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
         host.copy_(flag, non_blocking=True)
     return host
