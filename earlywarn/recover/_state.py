@@ -35,6 +35,14 @@ def is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def distributed_rank() -> int | None:
+    """This process's rank when torch.distributed runs with more than one process, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank()
+    return None
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's own shard of a DTensor (no collective, no autograd wrapper); ``t`` otherwise."""
     return t._local_tensor if is_dtensor(t) else t
@@ -122,7 +130,7 @@ class HostCopy:
 
     def __init__(self, tree: Any, events: Any = (), *, flags: Any = (), owned: Any = ()) -> None:
         self.tree = tree
-        self._events = list(events) if isinstance(events, (list, tuple)) else [events]
+        self._events = list(events)
         self._flags: list[torch.Tensor] = list(flags)
         self._owned: list[torch.Tensor] = list(owned)
         self.checked = False  # to_host(check_finite=True) sets it: finite() then means something
@@ -246,7 +254,6 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
             for d, s_ in by_dtype.values():
                 torch._foreach_copy_(d, s_)
     events = [record_event(d) for d in main_devices]  # recorded on each device's compute stream
-    flags: list[torch.Tensor] = []
     by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
     for t in side:
         by_device[t.device].append(t)

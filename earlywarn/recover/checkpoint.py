@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ._state import HostCopy, decode_safe, encode_safe, to_host
+from ._state import HostCopy, decode_safe, distributed_rank, encode_safe, to_host
 from .errors import CheckpointError
 
 FORMAT = "earlywarn.checkpoint"
@@ -104,10 +104,7 @@ def is_collective(save_fn: Any) -> bool:
 def _group_rank(collective: bool) -> int | None:
     """This rank when a collective writer runs under torch.distributed with more than one
     process; ``None`` when this process writes alone."""
-    d = torch.distributed
-    if collective and d.is_available() and d.is_initialized() and d.get_world_size() > 1:
-        return d.get_rank()
-    return None
+    return distributed_rank() if collective else None
 
 
 def _agree(ok: bool) -> bool:

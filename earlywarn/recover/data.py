@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from ._state import local
 from .errors import DataPositionError, FingerprintMismatch
 
 _FIX = (
@@ -70,11 +71,6 @@ class BatchRef:
     batch_index: int | None
     sample_indices: tuple[int, ...] | None = None
     fingerprint: str | None = None
-
-    @property
-    def known(self) -> bool:
-        """Anything identifies this batch (a position or a fingerprint)."""
-        return self.batch_index is not None or self.fingerprint is not None
 
     def to_dict(self) -> dict[str, Any]:
         """What is known, and nothing else (no keys holding ``None``)."""
@@ -828,8 +824,7 @@ class BatchFingerprints:
         t = t.detach()
         if t.layout != torch.strided or t.numel() == 0 or t.device.type == "meta":
             return None
-        if getattr(t, "_local_tensor", None) is not None:  # a DTensor: this rank's shard
-            t = t._local_tensor
+        t = local(t)  # a DTensor: this rank's shard
         flat = t.reshape(-1)
         n = flat.numel()
         if n > _FP_CAP:

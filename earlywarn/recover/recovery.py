@@ -36,9 +36,9 @@ import torch
 
 from ..events import Event, Kind, Level
 from ..sinks.defaults import output_dir
-from ._state import call_state_dict, fence_copies, local, to_host
+from ._state import call_state_dict, distributed_rank, fence_copies, to_host
 from .budget import plan_snapshots
-from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
+from .checkpoint import CheckpointInfo, CheckpointManager, _agree, load_checkpoint
 from .config import SINCE_SNAPSHOT, RecoveryConfig
 from .data import BatchFingerprints, BatchRef, DataPositionAdapter, ResumableAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError, Halt
@@ -53,25 +53,14 @@ from .records import (
     _record_key,
 )
 from .recurrence import Recurrence
-from .repair import FiniteBaseline, RepairReport, StateScan, _Agree, repair_optimizer_state, scan_state
+from .repair import FiniteBaseline, RepairReport, StateScan, repair_optimizer_state, scan_state
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
 
 __all__ = ["Blame", "QuarantineRecord", "Recovery", "RecoveryConfig", "RewindReport", "SINCE_SNAPSHOT"]
 
-def _distributed_rank() -> int | None:
-    """This process's rank when torch.distributed runs with more than one process, else None."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank()
-    return None
-
-
-def _on_every_rank(ok: bool, optimizer: torch.optim.Optimizer) -> bool:
+def _on_every_rank(ok: bool) -> bool:
     """``ok`` and'ed over ranks (one small all-reduce under torch.distributed; rare path)."""
-    if _distributed_rank() is None:
-        return ok
-    device = local(next(p for g in optimizer.param_groups for p in g["params"])).device
-    return _Agree().sum([int(not ok)], device)[0] == 0
+    return ok if distributed_rank() is None else _agree(ok)
 
 
 @dataclass
@@ -82,7 +71,6 @@ class _Provisional:
     snap: Snapshot
     to_ring: bool
     to_disk: bool
-    drawn: int | None
     prev_snapshot_step: int | None
     prev_checkpoint_step: int
     judged: bool = False
@@ -140,7 +128,8 @@ class Recovery:
             "or a torchdata StatefulDataLoader so that positions can be restored"
         )
         cfg = self.config
-        rank = _distributed_rank()
+        # fixed for the run (checked per step below: settle at the same step on every rank)
+        rank = self._rank = distributed_rank()
         ckpt_dir = None
         if cfg.checkpoint_dir is not None:
             ckpt_dir = Path(cfg.checkpoint_dir)
@@ -214,7 +203,7 @@ class Recovery:
         if warn:
             warnings.warn(f"earlywarn: {text}", RuntimeWarning, stacklevel=3)
 
-    def _check_budget(self, snap: Snapshot, step: int) -> None:
+    def _check_budget(self, snap: Snapshot) -> None:
         """The first snapshot measures what the estimate guessed; shrink the ring if it must."""
         if self._measured or self.ring is None or self.snapshot_plan is None:
             return
@@ -254,7 +243,7 @@ class Recovery:
             self._history.popitem(last=False)
         # Under torch.distributed every rank settles here, at the same step (waiting if the copy
         # is still in flight): what may follow is a collective (scan, repair).
-        self._settle(block=_distributed_rank() is not None)
+        self._settle(block=self._rank is not None)
         if self._provisional is not None:
             return
         cfg = self.config
@@ -273,8 +262,8 @@ class Recovery:
         self._spare = None
         snap = Snapshot(step=step, clean=True, reason="building" if building else "periodic", host=host,
                         building=building)
-        self._provisional = _Provisional(snap, snap_due, ckpt_due, self.data.drawn(),
-                                         self._last_snapshot_step, self._last_checkpoint_step)
+        self._provisional = _Provisional(snap, snap_due, ckpt_due, self._last_snapshot_step,
+                                         self._last_checkpoint_step)
         if snap_due:  # not due again while this one is in flight
             self._last_snapshot_step = step
         if ckpt_due:
@@ -309,7 +298,7 @@ class Recovery:
         p = self._provisional
         if p is not None and p.judged and p.to_disk:
             self._settle(block=True)  # a disk write needs the copy anyway: now, at its step
-        elif _distributed_rank() is None:
+        elif self._rank is None:
             self._settle(block=False)
 
     def settle(self) -> None:
@@ -323,7 +312,7 @@ class Recovery:
         self._provisional = None
         host = p.snap.host
         # The device flag (agreed over ranks); if it fired, the exact host check (agreed too).
-        if host.finite() or _on_every_rank(host.owned_finite(), self.optimizer):
+        if host.finite() or _on_every_rank(host.owned_finite()):
             self._keep(p)
             return
         self._drop(p)
@@ -344,7 +333,7 @@ class Recovery:
             # the evicted snapshot's buffers take the next copy (no fresh host memory per snapshot)
             self._spare = next((s.host.tree for s in before if id(s) not in kept and s.clean and s.pinned == 0), None)
             self.baseline.refresh(self.model)  # the last known-good buffers (new or resized ones)
-            self._check_budget(snap, snap.step)
+            self._check_budget(snap)
         if p.to_disk:
             self._save_disk(snap, snap.step, clean=True, reason="periodic")
 
@@ -368,13 +357,12 @@ class Recovery:
             return 0
         return max(0, now - self._drawn_mark)
 
-    def _capture(self, step: int, *, clean: bool, reason: str, to_ring: bool, pending: int = 0,
-                 building: bool = False) -> Snapshot:
+    def _capture(self, step: int, *, clean: bool, reason: str, to_ring: bool, pending: int = 0) -> Snapshot:
         kw = dict(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                   scaler=self.scaler, data=self._data_state(pending), extra=self.extra_state)
         if to_ring and self.ring is not None:
-            return self.ring.capture(step, clean=clean, reason=reason, building=building, **kw)
-        return Snapshot(step=step, clean=clean, reason=reason, host=capture_state(step, **kw), building=building)
+            return self.ring.capture(step, clean=clean, reason=reason, **kw)
+        return Snapshot(step=step, clean=clean, reason=reason, host=capture_state(step, **kw))
 
     def _save_disk(self, snap: Snapshot, step: int, *, clean: bool, reason: str) -> str:
         assert self.checkpoints is not None
@@ -412,13 +400,10 @@ class Recovery:
         if self.ring is None and self.checkpoints is None:
             return None
         seen = self._last_step_seen
-        if seen is not None and seen >= step - 1:
-            # the state's own step: step - 1 before this step's update, step after it, or later
-            # (async mode reads a warning after more updates were applied)
-            label, pending = seen, self._pending()
-        else:
-            label, pending = step - 1, self._pending()
-        snap = self._capture(label, clean=False, reason=reason, to_ring=self.ring is not None, pending=pending)
+        # the state's own step: step - 1 before this step's update, step after it, or later
+        # (async mode reads a warning after more updates were applied)
+        label = step - 1 if seen is None else max(seen, step - 1)
+        snap = self._capture(label, clean=False, reason=reason, to_ring=self.ring is not None, pending=self._pending())
         if self.checkpoints is not None:
             return self._save_disk(snap, label, clean=False, reason=reason)
         self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
@@ -440,7 +425,7 @@ class Recovery:
                 ref = self.data.last_batch()
             else:
                 ref = None
-        fp = self.fingerprints.read([step]).get(step) if self.fingerprints.has(step) else None
+        fp = self.fingerprints.read([step]).get(step)
         if ref is None:
             return BatchRef(None, None, None, fp) if fp else None
         return ref.with_fingerprint(fp)
@@ -887,15 +872,13 @@ class Recovery:
         errors = []
         for info in cands:
             try:
-                payload = load_checkpoint(info.path, load_fn=self.config.load_fn)
+                payload = self.checkpoints.load(info)
             except CheckpointError as e:
                 errors.append(f"{info.path.name}: {e}")
                 continue
             if errors:
                 msg = (f"resuming from {info.path} instead: the newer checkpoint(s) could not be read: "
                        + "; ".join(errors))
-                import warnings
-
                 warnings.warn(f"earlywarn: {msg}", RuntimeWarning, stacklevel=3)
                 self.emit(Event(step=info.step, kind=Kind.RESUME, level=Level.WARNING, message=msg, signal="resume"))
             return info.path, payload

@@ -34,6 +34,7 @@ from ._state import (
     call_state_dict,
     capture_rng,
     clone_tree,
+    distributed_rank,
     restore_model,
     restore_optimizer,
     restore_rng,
@@ -70,8 +71,7 @@ def capture_state(
         "data": data,
         "extra": {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in (extra or {}).items()},
     }
-    dist = torch.distributed
-    agree = check_finite and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    agree = check_finite and distributed_rank() is not None
     return to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree)
 
 
