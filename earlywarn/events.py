@@ -71,8 +71,13 @@ class Kind(str, enum.Enum):
         return self.value
 
 
-def _finite_or_none(x: Any) -> Any:
-    # JSON has no NaN/Inf; keep them readable as strings so nothing is silently lost.
+ALERT_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.LOSS_NONFINITE,
+                         Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW})
+"""Kinds the detector emits (what happened); every other kind is an action or its outcome."""
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` as JSON can hold it: a NaN / inf float becomes its string (nothing is silently lost)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     return x
@@ -122,7 +127,7 @@ class Event:
             "message": self.message,
             "signal": self.signal,
             "layers": list(self.layers),
-            "values": {k: _finite_or_none(float(v)) for k, v in self.values.items()},
+            "values": {k: jsonable(float(v)) for k, v in self.values.items()},
             "batch": self.batch,
             "time": self.time,
         }

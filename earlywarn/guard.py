@@ -35,12 +35,13 @@ from earlywarn.capture.grouping import GroupBy, build_layer_map
 from earlywarn.capture.hostread import LateReader, SyncReader
 from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import DetectorConfig, Observation, StreamingDetector
-from earlywarn.events import Event, Kind, Level
+from earlywarn.events import ALERT_KINDS, Event, Kind, Level
 from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics, sanitize_key
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
 from earlywarn.recover._state import fence_copies
 from earlywarn.sinks import Sink
+from earlywarn.sinks.base import takes_metrics
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
 _MODES = ("auto", "sync", "async")
@@ -994,8 +995,7 @@ class Watcher:
         if self._log_offset and event.step >= 0:
             event = dataclasses.replace(event, step=event.step + self._log_offset)
         self.events.append(event)
-        if event.kind in (Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE,
-                          Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW):
+        if event.kind in ALERT_KINDS:
             self.counters[f"alerts_{event.level}"] = self.counters.get(f"alerts_{event.level}", 0) + 1
         written = event.kind is Kind.CHECKPOINT and event.signal != "checkpoint_failed"
         if written:  # periodic and on-warning alike: every checkpoint written counts
@@ -1012,8 +1012,12 @@ class Watcher:
     def _log_metrics(self, step: int, obs: Observation | None, score: float | None = None) -> None:
         step += self._log_offset  # the run's clock (see _log_offset)
         level = self._step_levels.take()
-        if not any(_takes_metrics(sink) for sink in self.sinks):
-            return  # no sink does anything with metrics (console only, say): build nothing
+        if not any(takes_metrics(sink) for sink in self.sinks):
+            # no sink does anything with metrics (console only, say): build nothing; every sink
+            # still hears that the step is over (the console prints the step's incident then)
+            for sink in self.sinks:
+                _safe(sink, "log_metrics", step, _NO_METRICS)
+            return
         # Built on first read, so tracker sinks build it on their own thread, not this one.
         metrics = StepMetrics(
             step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
@@ -1207,13 +1211,7 @@ def _safe(sink: Sink, method: str, *args: Any) -> None:
         warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {_redact(sink, exc)}")
 
 
-def _takes_metrics(sink: Sink) -> bool:
-    """Whether ``sink`` does anything with ``log_metrics`` (a background sink knows about its
-    inner one; a sink that keeps the base class's no-op takes none)."""
-    takes = getattr(sink, "takes_metrics", None)
-    if takes is not None:
-        return bool(takes)
-    return getattr(type(sink), "log_metrics", None) is not Sink.log_metrics
+_NO_METRICS: Mapping[str, float] = types.MappingProxyType({})  # a step's end, for sinks that take no metrics
 
 
 def _redact(sink: Sink, exc: BaseException) -> str:

@@ -43,15 +43,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from earlywarn.events import ALERT_KINDS, Kind
+
 COUNTERS = ("skipped_steps", "repaired_steps", "rewinds", "checkpoints")
 """Cumulative counters always logged (0 until something happens), so alert rules have a series."""
 
 _NOT_LOGGED = frozenset({"steps"})  # the step itself is the x-axis of every series
 
-INCIDENT_KINDS = frozenset({
-    "nonfinite_grad", "grad_spike", "collapse_risk", "loss_nonfinite", "loss_diverged", "scaler_overflow",
-    "skip", "repair", "rewind", "quarantine", "halt",
-})
+INCIDENT_KINDS = frozenset(str(k) for k in ALERT_KINDS | {Kind.SKIP, Kind.REPAIR, Kind.REWIND, Kind.QUARANTINE, Kind.HALT})
 """Event kinds that count toward ``alert_level``: detector alerts and the actions they caused.
 Checkpoint, resume and sink-status records do not (they are bookkeeping, not alerts)."""
 
@@ -281,18 +280,6 @@ class StepMetrics(Mapping[str, float]):
                                                 config=cfg, user=user)
         return built
 
-    def approx_len(self) -> int:
-        """About how many values this step holds, without building it (buffer accounting: the
-        same answer before and after it was built)."""
-        grad_norm, loss, names, norms, score, level, counters, cfg, user = self._args
-        n = 1 + len(COUNTERS) + len(counters) + 2 * (grad_norm is not None) + 2 * (loss is not None) + (score is not None)
-        n += len(user or ())
-        if norms is not None:
-            layer_step = (cfg.layer_every > 0 and self.step % cfg.layer_every == 0) or (cfg.layer_on_alert and level >= 2)
-            size = int(np.size(norms))
-            n += 1 + (min(size, cfg.layer_top_k or size) if layer_step else 0)
-        return n
-
     def __getitem__(self, key: str) -> float:
         return self._dict()[key]
 
@@ -304,8 +291,3 @@ class StepMetrics(Mapping[str, float]):
 
     def __repr__(self) -> str:
         return f"StepMetrics(step={self.step}, {self._dict()!r})"
-
-
-def metrics_size(metrics: Mapping[str, float]) -> int:
-    """Values in ``metrics`` (estimated, without building, for a :class:`StepMetrics`)."""
-    return metrics.approx_len() if isinstance(metrics, StepMetrics) else len(metrics)

@@ -59,7 +59,6 @@ from earlywarn.sinks.base import METRIC_PREFIX, EventTally, PermanentSinkError, 
 
 _MAX_PER_BATCH = 1000  # the server's limit on values (metrics + tags) per log_batch
 _MAX_TAG_VALUE = 5000
-_LAST_ALERT_CHARS = 500
 _PERMANENT_HTTP = (400, 401, 403, 404)
 TAG_PREFIX = "earlywarn."
 
@@ -199,7 +198,7 @@ class MlflowWriter:
         tally = self.tally.copy()  # kept only once the tags are written: a retry sends them again
         changed = tally.update(event)
         tags = {TAG_PREFIX + k: str(v) for k, v in changed.items()}
-        last = alert_line(event, _LAST_ALERT_CHARS)
+        last = alert_line(event)
         if last != self._last_alert:
             tags[TAG_PREFIX + "last_alert"] = last
         metric = self._Metric(METRIC_PREFIX + "incident_level", float(int(event.level)), int(event.time * 1000), event.step)

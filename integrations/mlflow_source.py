@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 import urllib.request
 from collections import defaultdict
@@ -29,18 +28,14 @@ import numpy as np
 
 from earlywarn.analyze.readers import AnalyzeError, RawRun, merge_adjacent_same_step
 from earlywarn.events import Event
+from earlywarn.sinks.base import strip_userinfo
 
 INCIDENT_DIR = "earlywarn/incidents"
 CONNECT_TIMEOUT = 5.0
 READ_RETRIES = "2"
 READ_TIMEOUT = "10"
 
-_USERINFO = re.compile(r"(?<=//)[^/@\s]*@")
-
-
-def scrub(text: str) -> str:
-    """``text`` with the ``user:password@`` of every URL in it removed."""
-    return _USERINFO.sub("", text)
+scrub = strip_userinfo  # ``text`` with the ``user:password@`` of every URL in it removed
 
 
 def _one_line(e: BaseException) -> str:
@@ -140,7 +135,7 @@ def _read_mlflow(spec: str, key_map: Mapping[str, str] | None = None) -> list[Ra
         except Exception as e:
             what = "no such MLflow run" if _not_found(e) else "cannot read the MLflow run"
             raise AnalyzeError(f"{shown}: {what} ({type(e).__name__}: {_one_line(e)})") from None
-        return [_guarded(read_run, client, run, shown, name="")]
+        return [_guarded(read_run, client, run, shown, name="", source=shown)]
     try:
         exp = client.get_experiment_by_name(experiment)
     except Exception as e:
@@ -161,21 +156,20 @@ def _read_mlflow(spec: str, key_map: Mapping[str, str] | None = None) -> list[Ra
         if not run.data.metrics:
             continue  # a run that logged nothing (params only, or failed at start)
         name = f"{run.info.run_name or ''}/{run.info.run_id}".strip("/")
-        out.append(_guarded(read_run, client, run, shown, name=name))
+        out.append(_guarded(read_run, client, run, shown, name=name, source=shown))
     if not out:
         raise AnalyzeError(f"{shown}: no run of experiment {experiment!r} logged metrics (empty runs)")
     return out
 
 
-def _guarded(fn: Any, *args: Any, source: str | None = None, **kwargs: Any) -> Any:
+def _guarded(fn: Any, *args: Any, source: str, **kwargs: Any) -> Any:
     """``fn(...)``, with a tracker failure midway (the server went away) as one AnalyzeError line."""
     from mlflow.exceptions import MlflowException
 
     try:
         return fn(*args, **kwargs)
     except MlflowException as e:
-        where = source if source is not None else args[2]
-        raise AnalyzeError(f"{where}: reading from MLflow failed ({_one_line(e)})") from None
+        raise AnalyzeError(f"{source}: reading from MLflow failed ({_one_line(e)})") from None
 
 
 def read_run(client: Any, run: Any, source: str, name: str) -> RawRun:

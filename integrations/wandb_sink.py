@@ -39,11 +39,10 @@ from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 from earlywarn.events import Event, Level
-from earlywarn.sinks.base import METRIC_PREFIX, EventTally, Sink, alert_line
+from earlywarn.sinks.base import METRIC_PREFIX, EventTally, Sink, alert_line, status_name
 
 _W_LEVEL = {Level.NONE: "INFO", Level.INFO: "INFO", Level.WARNING: "WARN", Level.CRITICAL: "ERROR"}
 _TITLE_MAX = 63  # W&B wants titles < 64 characters
-_LAST_ALERT_CHARS = 500
 
 # How a row carries several earlywarn steps (attached to the user's run): the worst, else the latest.
 _CARRY_MAX = frozenset(METRIC_PREFIX + k for k in ("alert_level", "nonfinite_layers", "instability_score", "grad_norm"))
@@ -198,7 +197,7 @@ class WandbSink(Sink):
             except Exception:  # noqa: BLE001 - a summary that cannot be read is no reason to fail
                 prior = {}
             self._tally.restore_tags({k.replace("count/", "count."): v for k, v in prior.items()}, METRIC_PREFIX)
-        run.summary.update({METRIC_PREFIX + "status": "ok" if self._tally.worst == Level.NONE else str(self._tally.worst),
+        run.summary.update({METRIC_PREFIX + "status": status_name(self._tally.worst),
                             METRIC_PREFIX + "worst_level": int(self._tally.worst)})
         self._carried_row = self._user_row()
         self._started = True
@@ -260,7 +259,7 @@ class WandbSink(Sink):
             self._halted = True
         changed = self._tally.update(event)
         summary = {METRIC_PREFIX + k.replace("count.", "count/"): v for k, v in changed.items()}
-        summary[METRIC_PREFIX + "last_alert"] = alert_line(event, _LAST_ALERT_CHARS)
+        summary[METRIC_PREFIX + "last_alert"] = alert_line(event)
         run.summary.update(summary)
         if event.level < self.alert_min_level:
             return

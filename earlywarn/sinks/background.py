@@ -22,7 +22,6 @@ import atexit
 import collections
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -30,9 +29,9 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from earlywarn.events import Event, Kind, Level
+from earlywarn.events import Event, Kind, Level, jsonable
 from earlywarn.metrics import StepMetrics
-from earlywarn.sinks.base import PermanentSinkError, Sink, SinkStarting
+from earlywarn.sinks.base import PermanentSinkError, Sink, SinkStarting, takes_metrics
 
 log = logging.getLogger("earlywarn.sinks")
 
@@ -100,10 +99,6 @@ def _redacted(exc: BaseException, redact: Callable[[str], str]) -> BaseException
     except Exception:  # noqa: BLE001 - an exception type with another signature
         new = RuntimeError(f"{type(exc).__name__}: {clean}")
     return new
-
-
-def _jsonable(v: Any) -> Any:
-    return v if not isinstance(v, float) or math.isfinite(v) else str(v)
 
 
 class BackgroundSink(Sink):
@@ -186,9 +181,7 @@ class BackgroundSink(Sink):
         self.on_status = on_status
         self._redact: Callable[[str], str] = getattr(inner, "redact", None) or str
         # A sink that does nothing with metrics (a webhook) gets none buffered for it.
-        takes = getattr(inner, "takes_metrics", None)
-        self.takes_metrics = bool(takes) if takes is not None else not (
-            type(inner).log_metrics is Sink.log_metrics and type(inner).log_metrics_batch is Sink.log_metrics_batch)
+        self.takes_metrics = takes_metrics(inner)
 
         self._cond = threading.Condition(threading.Lock())
         # (step, metrics, unix time, values counted). The training thread appends without the lock
@@ -206,7 +199,6 @@ class BackgroundSink(Sink):
         self._kick = False  # flush() / finish() asked for a retry now
         self._flush_requested = 0
         self._flush_done = 0  # tickets answered (delivered, or given up on because the tracker is down)
-        self._flush_ok = True
         self._state = "new"  # new -> starting -> running -> closing -> closed | failed
         self._start_waiting = False
         self._start_error: BaseException | None = None
@@ -292,9 +284,7 @@ class BackgroundSink(Sink):
         # A plain dict is copied (the caller may reuse it); the watcher's StepMetrics is a snapshot
         # that the worker builds. The time is when it was logged.
         if self.takes_metrics:
-            if type(metrics) is dict:
-                self._put_metrics(int(step), dict(metrics), time.time(), len(metrics))
-            elif isinstance(metrics, StepMetrics):
+            if isinstance(metrics, StepMetrics):
                 self._put_metrics(step, metrics, time.time(), self._record_values)
             else:
                 self._put_metrics(int(step), dict(metrics), time.time(), len(metrics))
@@ -824,7 +814,7 @@ class BackgroundSink(Sink):
             head = {"type": "undelivered", "sink": self.name, "reason": self._redact(reason), "time": time.time()}
             fh.write(json.dumps(head) + "\n")
             for step, values, t in metrics:
-                rec = {"type": "metrics", "step": step, "time": t, **{k: _jsonable(v) for k, v in values.items()}}
+                rec = {"type": "metrics", "step": step, "time": t, **{k: jsonable(v) for k, v in values.items()}}
                 fh.write(json.dumps(rec, allow_nan=False) + "\n")
             for kind, args in events:
                 if kind == "alert":

@@ -100,6 +100,23 @@ class Sink:
 _USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<info>[^/\s@'\"]+)@")
 
 
+_USERINFO_ANY = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s'\"]*@")
+
+
+def strip_userinfo(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it removed (safe to print)."""
+    return _USERINFO_ANY.sub(lambda m: m.group("scheme"), str(text))
+
+
+def takes_metrics(sink: "Sink") -> bool:
+    """Whether ``sink`` does anything with metrics: its ``takes_metrics`` when set, else whether
+    it overrides ``log_metrics`` or ``log_metrics_batch``."""
+    takes = getattr(sink, "takes_metrics", None)
+    if takes is not None:
+        return bool(takes)
+    return not (type(sink).log_metrics is Sink.log_metrics and type(sink).log_metrics_batch is Sink.log_metrics_batch)
+
+
 def redact_urls(text: str) -> str:
     """Mask the ``user:password@`` part of every URL in ``text``."""
     return _USERINFO.sub(lambda m: m.group("scheme") + "***@", str(text))
@@ -255,12 +272,11 @@ class EventTally:
         self.counts: dict[str, int] = {}
         self.first_critical: tuple[str, int] | None = None
         self.last_critical: tuple[str, int] | None = None
-        self.halted = False
 
     def copy(self) -> "EventTally":
         other = EventTally()
         other.worst, other.counts = self.worst, dict(self.counts)
-        other.first_critical, other.last_critical, other.halted = self.first_critical, self.last_critical, self.halted
+        other.first_critical, other.last_critical = self.first_critical, self.last_critical
         return other
 
     def update(self, event: Event) -> dict[str, Any]:
@@ -275,8 +291,6 @@ class EventTally:
             if self.first_critical is None:
                 self.first_critical = (kind, int(event.step))
             self.last_critical = (kind, int(event.step))
-        if kind == "halt":
-            self.halted = True
         after = self.as_dict()
         return {k: v for k, v in after.items() if before.get(k) != v}
 

@@ -17,12 +17,9 @@ import threading
 import weakref
 from typing import Mapping, Sequence, TextIO
 
-from earlywarn.events import Event, Kind, Level
+from earlywarn.events import ALERT_KINDS, Event, Kind, Level
 from earlywarn.sinks.base import Sink
 
-ALERT_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.LOSS_NONFINITE,
-                         Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW})
-"""Kinds the detector emits (what happened); every other kind is an action or its outcome."""
 
 _ANSWERS = frozenset({Kind.SKIP, Kind.REPAIR, Kind.REWIND, Kind.HALT})
 """Actions that answer the step's alerts (their message says what was done about them)."""
@@ -116,6 +113,7 @@ class ConsoleSink(Sink):
     a progress bar."""
 
     name = "console"
+    takes_metrics = False  # log_metrics only says the step is over: its values are never read
 
     def __init__(self, min_level: Level | str = Level.WARNING, stream: TextIO | None = None):
         self.min_level = Level.parse(min_level)

@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
-from urllib.parse import urlsplit, urlunsplit
 
 from earlywarn.sinks.background import BackgroundSink
-from earlywarn.sinks.base import Sink, make_sink
+from earlywarn.sinks.base import Sink, make_sink, strip_userinfo
 
 log = logging.getLogger("earlywarn.sinks")
 
@@ -84,16 +83,7 @@ def embedded_mlflow_uri(folder: Path | None = None) -> str:
     return f"sqlite:///{(folder or output_dir()) / 'mlflow.db'}"
 
 
-def without_credentials(uri: str) -> str:
-    """``uri`` with any ``user:password@`` removed (safe to print)."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return uri
-    if "@" not in parts.netloc:
-        return uri
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+without_credentials = strip_userinfo  # ``uri`` with any ``user:password@`` removed (safe to print)
 
 
 def mlflow_ui_command(uri: str) -> str:
@@ -130,8 +120,6 @@ def with_default_locations(specs: Iterable[str | Sink], options_by_name: Mapping
         out.setdefault("mlflow", {})["tracking_uri"] = uri
         out["mlflow"].setdefault("artifact_location", (folder / "mlruns").as_uri())  # not ./mlruns
         placed["mlflow"] = f"mlflow.db (MLflow store; to look: {mlflow_ui_command(uri)})"
-        # A new store logs its table creation at INFO through mlflow's own handler: not news.
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     return out, placed
 
 
