@@ -122,6 +122,11 @@ def step_problem(x: float) -> str | None:
     return None
 
 
+def bad_steps(x: np.ndarray) -> np.ndarray:
+    """Where the float array ``x`` cannot hold step numbers: :func:`step_problem`, element-wise."""
+    return ~(np.abs(x) < 2.0**63) | (x != np.floor(x))
+
+
 def _show_value(v: Any) -> str:
     try:
         text = json.dumps(v, allow_nan=True)
@@ -451,7 +456,7 @@ def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
             if values is None:
                 continue  # a text column (a snippet id, a path): not a metric
             if unreadable is not None and name != step_key:  # (rows without a step are left out, said in a note)  # read as NaN it would be a collapse that never happened
-                line = _csv_line_of(path, delim, j, _unreadable_cell)
+                line, _ = _csv_line_of(path, delim, j, _unreadable_cell)
                 raise AnalyzeError(f"{path}: line {line}, column {name!r}: cannot read {unreadable!r} as a number; "
                                    f"{CELL_FIX}")
             cols[name] = values
@@ -470,12 +475,11 @@ def read_csv(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
             run_labels = run_labels[ok]
     if steps_f.size == 0:
         raise AnalyzeError(f"{path}: no rows with a step value (empty run)")
-    bad = ~(np.abs(steps_f) < 2.0**63) | (steps_f != np.floor(steps_f))
+    bad = bad_steps(steps_f)
     if bad.any():
         x = float(steps_f[np.flatnonzero(bad)[0]])
         j = header.index(step_key)
-        line = _csv_line_of(path, delim, j, lambda c: _cell_step_problem(c) is not None)
-        cell = _csv_cell(path, delim, line, j)
+        line, cell = _csv_line_of(path, delim, j, lambda c: _cell_step_problem(c) is not None)
         raise AnalyzeError(f"{path}: line {line}, column {step_key!r}: {cell!r} {step_problem(x)}; fix that row "
                            "or name the step column with --key step=<column>")
     return _split_by_run(path, "csv", steps_f.astype(np.int64), cols, miss, run_labels, notes)
@@ -506,19 +510,13 @@ def _csv_rows(path: str, delim: str) -> Iterable[tuple[int, list[str]]]:
             yield reader.line_num, cells
 
 
-def _csv_line_of(path: str, delim: str, col: int, pred: Callable[[str], bool]) -> int | str:
-    """The line of the first row whose cell ``col`` satisfies ``pred`` (to name it in an error)."""
+def _csv_line_of(path: str, delim: str, col: int, pred: Callable[[str], bool]) -> tuple[int | str, str]:
+    """The line of the first row whose cell ``col`` satisfies ``pred``, and that cell (to name
+    both in an error); ``("?", "?")`` when no row does."""
     for line, cells in _csv_rows(path, delim):
         if col < len(cells) and pred(cells[col]):
-            return line
-    return "?"
-
-
-def _csv_cell(path: str, delim: str, line: int | str, col: int) -> str:
-    for n, cells in _csv_rows(path, delim):
-        if n == line and col < len(cells):
-            return cells[col].strip()
-    return "?"
+            return line, cells[col].strip()
+    return "?", "?"
 
 
 def _strings_to_floats(raw: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, str | None]:
@@ -787,8 +785,9 @@ def read_npz(path: str, key_map: Mapping[str, str] | None = None) -> list[RawRun
     if not np.all(np.isfinite(steps)):
         raise AnalyzeError(f"{path}: {step_key!r} holds non-finite values")
     if steps.dtype.kind == "f" or (steps.dtype.kind == "u" and steps.dtype.itemsize == 8):
-        for i in np.flatnonzero(~(np.abs(steps.astype(np.float64)) < 2.0**63)
-                                | (steps.astype(np.float64) != np.floor(steps.astype(np.float64))))[:1].tolist():
+        bad = bad_steps(steps.astype(np.float64))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
             raise AnalyzeError(f"{path}: {step_key}[{i}] = {steps[i].item()!r} {step_problem(float(steps[i]))}; "
                                "save the steps as int64")
     miss = {k: np.zeros(n, dtype=bool) for k in cols}  # NaN in an array is a logged NaN

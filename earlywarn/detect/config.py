@@ -286,9 +286,7 @@ class DetectorConfig:
         kw = {}
         for k, v in d.items():
             default = known[k].default
-            if isinstance(default, bool):
-                pass  # validated as it is
-            elif isinstance(default, float) and isinstance(v, (str, int)) and not isinstance(v, bool):
+            if isinstance(default, float) and isinstance(v, (str, int)) and not isinstance(v, bool):
                 v = float(v)  # "inf" from JSON, or an int where a float is meant
             kw[k] = v
         return cls(**kw)

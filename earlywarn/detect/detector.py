@@ -932,12 +932,13 @@ class Detector:
         any_elev = bool(np.count_nonzero(elev))
         zf = [float(v) for v in z[:N_FIXED]]
         pwf = [bool(v) for v in pw[:N_FIXED]]
+        # the loss far above its baseline as a ratio and in its own noise (a divergence's step)
+        div_now = bool(dev[LOSS] >= self._log_div) and zf[LOSS] >= self._div_z
 
         # -- baseline update: admitted values only, winsorised (same arithmetic as _calm_rows) ----
         if not skipped:
             adm = present & ~elev  # spikes never enter; the rest enters winsorised
-            if w.loss_div and adm[LOSS] and warm[LOSS] and dev[LOSS] >= self._log_div and \
-                    dev[LOSS] * self._A / wd[LOSS] >= self._div_z:
+            if w.loss_div and adm[LOSS] and warm[LOSS] and div_now:
                 adm[LOSS] = False  # a divergence under way (its 2nd step on) does not become the baseline
             P2 = np.empty((2, n))
             R2 = np.empty((2, n))
@@ -967,11 +968,9 @@ class Detector:
             w.S2 += P2
 
         # -- the LR at a new high: above the LR lr_ref_steps back and the highest before it --------
-        rising = False
-        if pattern & 32 and w.lr_n >= self._lr_k:
-            lr_now = float(obs.extras["lr"])
-            if 0.0 <= lr_now < math.inf:
-                rising = lr_now > w.lr_ring[w.lr_pos] and lr_now >= w.lr_ref
+        lr = float(obs.extras["lr"]) if pattern & 32 else _NAN
+        lr_ok = 0.0 <= lr < math.inf
+        rising = lr_ok and w.lr_n >= self._lr_k and lr > w.lr_ring[w.lr_pos] and lr >= w.lr_ref
 
         # -- run-level CUSUMs and the together evidence (frozen on skipped steps) -------------
         cus = list(w.cus)
@@ -1051,7 +1050,7 @@ class Detector:
             dl = float(dev[LOSS])
             # diverged: far above the baseline both as a ratio and in the loss's own noise (a
             # batch-8 loss wobbles by 2x; its scale says so), and for long, not a 2-step excursion
-            if dl >= self._log_div and zf[LOSS] >= self._div_z:
+            if div_now:
                 w.loss_div += 1
                 if w.loss_div >= cfg.loss_diverge_steps and not w.loss_div_fired:
                     w.loss_div_fired = True
@@ -1074,19 +1073,17 @@ class Detector:
 
         # -- the learning rate: a jump beyond what the run has survived, then into the ring ----
         lr_jump = None
-        if pattern & 32:
-            lr = float(obs.extras["lr"])
-            if 0.0 <= lr < math.inf:
-                if w.lr_n >= self._lr_ready and w.lr_ref > 0.0 and lr >= self._lr_jump * w.lr_ref:
-                    lr_jump = (lr, w.lr_ref)
-                K = self._lr_k
-                if w.lr_n >= K:
-                    old = w.lr_ring[w.lr_pos]
-                    if old > w.lr_ref:
-                        w.lr_ref = old
-                w.lr_ring[w.lr_pos] = lr
-                w.lr_pos = w.lr_pos + 1 if w.lr_pos + 1 < K else 0
-                w.lr_n += 1
+        if lr_ok:
+            if w.lr_n >= self._lr_ready and w.lr_ref > 0.0 and lr >= self._lr_jump * w.lr_ref:
+                lr_jump = (lr, w.lr_ref)
+            K = self._lr_k
+            if w.lr_n >= K:
+                old = w.lr_ring[w.lr_pos]
+                if old > w.lr_ref:
+                    w.lr_ref = old
+            w.lr_ring[w.lr_pos] = lr
+            w.lr_pos = w.lr_pos + 1 if w.lr_pos + 1 < K else 0
+            w.lr_n += 1
 
         # -- spikes and escalation -----------------------------------------------------------
         grad_elev = any_elev and bool(np.count_nonzero(elev & k.gradlike))
