@@ -231,8 +231,10 @@ def _capital(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
+def batch_key(epoch: int | None, batch_index: int | None, fingerprint: str | None) -> str | None:
+    """What identifies a batch across rewinds: its position, else its fingerprint."""
+    return f"{epoch}:{batch_index}" if batch_index is not None else fingerprint
+
+
 def _record_key(q: "QuarantineRecord") -> str | None:
-    """What identifies a quarantined batch across rewinds: its position, else its fingerprint."""
-    if q.batch_index is not None:
-        return f"{q.epoch}:{q.batch_index}"
-    return q.fingerprint
+    return batch_key(q.epoch, q.batch_index, q.fingerprint)

@@ -51,6 +51,7 @@ from .records import (
     _name_batch,
     _ranges,
     _record_key,
+    batch_key,
 )
 from .recurrence import Recurrence
 from .repair import FiniteBaseline, RepairReport, StateScan, repair_optimizer_state, scan_state
@@ -579,10 +580,7 @@ class Recovery:
             ref = self._history.get(s)
             if ref is None and (newest is None or s > newest):
                 ref = self.data.last_batch()  # the step in progress drew the loader's latest batch
-            if ref is not None and ref.batch_index is not None:
-                out.append(f"{ref.epoch}:{ref.batch_index}")
-            else:
-                out.append(fps.get(s))
+            out.append(batch_key(ref.epoch, ref.batch_index, fps.get(s)) if ref is not None else fps.get(s))
         return out
 
     def lr_trend(self, step: int) -> str:
