@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         split = Split(1024, 4, torch.device("cuda", 1), torch.device("cuda", 0))
         sopt = torch.optim.AdamW(split.parameters(), lr=1e-3, fused=True)
         sew = watch(split, sopt, cuda)
-        check(sew.mode == "async" and sew._stats.device == torch.device("cuda", 1), f"async, statistics on {sew._stats.device}")
+        check(sew.mode == "async" and sew.statistics.stats.device == torch.device("cuda", 1), f"async, statistics on {sew.statistics.stats.device}")
         xs = torch.randn(256, 1024, device="cuda:1")
 
         def split_step(fault: bool = False) -> None:

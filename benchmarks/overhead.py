@@ -116,7 +116,7 @@ def main() -> None:
     grads = [p.grad for p in variants["+ earlywarn (sync)"]["model"].parameters()]
     t_stats, t_norm = [], []
     for r in range(200):
-        pair = [("stats", lambda: ew._stats.layer_sq_norms().cpu().numpy()), ("norm", lambda: torch._foreach_norm(grads))]
+        pair = [("stats", lambda: ew.statistics.stats.layer_sq_norms().cpu().numpy()), ("norm", lambda: torch._foreach_norm(grads))]
         for name, fn in (pair if r % 2 == 0 else pair[::-1]):
             t0 = time.perf_counter()
             fn()
@@ -130,7 +130,7 @@ def main() -> None:
         t0 = time.perf_counter()
         guarded_opt.step()
         t1 = time.perf_counter()
-        ew._orig_step()
+        ew._install.real_step()
         t2 = time.perf_counter()
         extra.append((t1 - t0) - (t2 - t1))
 
@@ -157,7 +157,7 @@ def main() -> None:
         ew_u.report("logit_max", value)
         opt_u.step()
         t1 = time.perf_counter()
-        ew_u._orig_step()
+        ew_u._install.real_step()
         t2 = time.perf_counter()
         extra_u.append((t1 - t0) - (t2 - t1))
     guard_cost = statistics.median(extra)
@@ -200,7 +200,7 @@ def _agreement_worker(rank: int, port: int, steps: int, out: "torch.multiprocess
             if name != "bare DDP step":
                 ew = earlywarn.watch(model, opt, sinks=[], recovery=earlywarn.RecoveryConfig(snapshot_every=0, rewind=False))
                 if "rank-local" in name:
-                    ew._reducer = None  # what the watcher did before without report_loss
+                    ew.statistics.reducer = None  # what the watcher did before without report_loss
             variants[name] = (model, opt, ew, [])
 
         def step(model, opt) -> float:
@@ -224,7 +224,7 @@ def _agreement_worker(rank: int, port: int, steps: int, out: "torch.multiprocess
         t_coll = []
         for _ in range(300):
             t0 = time.perf_counter()
-            ew._reducer.reduce(vec)
+            ew.statistics.reducer.reduce(vec)
             t_coll.append(time.perf_counter() - t0)
         bare = variants["bare DDP step"][3]
         row = {"label": label, "bare_ms": statistics.median(bare) * 1e3, "coll_us": statistics.median(t_coll) * 1e6}

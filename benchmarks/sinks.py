@@ -16,7 +16,7 @@ watcher is flushed (untimed) so one setup's backlog never lands in another's tim
 each block's median step time is divided by the bare step's and by the guard-alone step's; the
 tables give the median over rounds ("x bare": the whole cost; "x guard": what the sinks add).
 Also printed: the training thread's own time in the sink path per step (everything inside
-``Watcher._log_metrics``: the step's metrics record and every sink call; in brackets the part of
+``Telemetry.log_metrics``: the step's metrics record and every sink call; in brackets the part of
 it spent reading ``detector.score``, which the detector computes on demand), and the CPU that
 background work used per step (the MLflow writer process, W&B's worker thread). Both columns
 are medians over steps; the ratios are medians over rounds of per-block medians.
@@ -163,7 +163,7 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                 spent: list[float] = []
                 score_spent: list[float] = []
                 in_path = [0.0, False]  # detector.score time within this step's sink path; inside it now
-                orig = ew._log_metrics
+                orig = ew.telemetry.log_metrics
 
                 def timed(step: int, obs: Any, *rest: Any, _orig: Callable = orig, _spent: list = spent,
                           _score: list = score_spent, _in: list = in_path) -> None:
@@ -176,7 +176,7 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                         _score.append(_in[0])
                         _in[1] = False
 
-                ew._log_metrics = timed  # the training thread's whole sink path: build_metrics + sink calls
+                ew.telemetry.log_metrics = timed  # the training thread's whole sink path: build_metrics + sink calls
                 det_cls = type(ew.detector)
 
                 class TimedScore(det_cls):  # the detector's score, when the sink path reads it: timed apart

@@ -90,6 +90,9 @@ class Event:
     ``layers`` is ordered: the first entry is the layer that moved first (for a non-finite
     gradient, the first one in backward order). ``batch`` is the data position of the batch that
     produced the step when earlywarn knows it (a resumable loader), else the step's batch counter.
+    ``path`` is where a CHECKPOINT event's state is (a file, or ``memory:<step>`` for an in-memory
+    snapshot); ``source`` names the watcher that emitted it when a process has several (a GAN's
+    generator and discriminator).
     """
 
     step: int
@@ -101,6 +104,8 @@ class Event:
     values: Mapping[str, float] = field(default_factory=dict)
     batch: int | None = None
     time: float = field(default_factory=time.time)
+    path: str | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind(self.kind))
@@ -130,6 +135,8 @@ class Event:
             "values": {k: jsonable(float(v)) for k, v in self.values.items()},
             "batch": self.batch,
             "time": self.time,
+            "path": self.path,
+            "source": self.source,
         }
 
     @classmethod
@@ -145,6 +152,8 @@ class Event:
             values=values,
             batch=d.get("batch"),
             time=float(d.get("time", 0.0)),
+            path=d.get("path"),
+            source=d.get("source"),
         )
 
     def __str__(self) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from earlywarn.events import Event, Kind
 
-__all__ = ["Action", "Policy", "PolicyConfig"]
+__all__ = ["Action", "Policy", "PolicyConfig", "PolicyDecision"]
 
 
 class Action(str, enum.Enum):
@@ -25,6 +25,7 @@ class Action(str, enum.Enum):
     NONE = "none"
     CHECKPOINT = "checkpoint"
     SKIP = "skip"
+    REPAIR = "repair"
     REWIND = "rewind"
     HALT = "halt"
 
@@ -42,7 +43,7 @@ class Action(str, enum.Enum):
                              f"{', '.join(a.value for a in cls)}") from None
 
 
-_SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.SKIP: 2, Action.REWIND: 3, Action.HALT: 4}
+_SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.SKIP: 2, Action.REPAIR: 3, Action.REWIND: 4, Action.HALT: 5}
 
 
 @dataclass
@@ -112,6 +113,9 @@ class PolicyConfig:
                     setattr(self, f.name, Action.parse(getattr(self, f.name)))
                 except ValueError as e:
                     raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name)!r} is invalid: {e}") from None
+                if getattr(self, f.name) is Action.REPAIR:
+                    raise ValueError(f"PolicyConfig.{f.name}='repair' is invalid: a repair is the guard's answer to "
+                                     "poisoned optimizer state; use none, checkpoint, skip, rewind or halt")
         for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
                      "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds",
                      "rewind_window"):
@@ -144,14 +148,50 @@ _KIND_FIELD = {
 }
 
 
-class Policy:
-    """``actions = policy.decide(step, alerts)``; actions most drastic first, ``[]`` for none.
+def _with_state(action: Action, kind: Kind, state_finite: bool | None) -> Action:
+    """A non-finite alert's action once the state check is known: finite state -> no rewind (one
+    bad batch, nothing was written); poisoned state -> no mere skip (it cannot fix it)."""
+    if kind not in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE) or state_finite is None:
+        return action
+    if state_finite and action is Action.REWIND:
+        return Action.SKIP
+    if not state_finite and action is Action.SKIP:
+        return Action.REWIND
+    return action
 
-    ``last_reasons`` explains the latest decision (one line per action, and per suppressed one);
-    ``suppressed`` holds only the lines of actions that were wanted and not taken (a cooldown, a
-    rate limit), ``rewind_triggers`` what asked for this step's rewind (alert kinds, or
-    ``"nonfinite_streak"``), ``halt_reason`` why this step halts.
-    """
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """Everything :meth:`Policy.decide` decided at one step (nothing is read off the policy after)."""
+
+    actions: tuple[Action, ...] = ()
+    """Most drastic first; empty for none."""
+    reasons: tuple[str, ...] = ()
+    """One line per action, and per action wanted and not taken."""
+    suppressed: tuple[str, ...] = ()
+    """The lines of rewinds that were wanted and not taken (a cooldown): the guard says why."""
+    rewind_triggers: tuple[str, ...] = ()
+    """What asked for this step's rewind or repair (alert kinds, or ``"nonfinite_streak"``)."""
+    halt_reason: str | None = None
+    """Why this step halts."""
+    nonfinite_streak: int = 0
+    """Non-finite steps in a row up to this one (before a granted rewind starts it over)."""
+
+    def __contains__(self, action: object) -> bool:
+        return action in self.actions
+
+    @property
+    def first(self) -> Action:
+        """The most drastic action (``Action.NONE`` when there is none)."""
+        return self.actions[0] if self.actions else Action.NONE
+
+
+_NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
+
+
+class Policy:
+    """``policy.decide(step, alerts) -> PolicyDecision``. The policy's own state (cooldowns, rate
+    limits, the non-finite streak) is declared in ``__init__`` and saved by :meth:`state_dict`."""
 
     def __init__(self, cfg: PolicyConfig | None = None):
         self.cfg = cfg if cfg is not None else PolicyConfig()
@@ -164,61 +204,65 @@ class Policy:
         self.checkpoints: deque[int] = deque()
         self.last_rewind = -(1 << 60)
         self.rewinds: deque[int] = deque()
-        self.last_reasons: list[str] = []
-        self.suppressed: list[str] = []
-        self.rewind_triggers: tuple[str, ...] = ()
-        self.halt_reason: str | None = None
-        self.rewind_streak = 0  # non-finite steps in a row when the latest rewind was granted
-        self._undo: tuple[int, int] | None = None  # (last_rewind, nonfinite_streak) before a granted rewind
 
     def decide(self, step: int, alerts: Iterable[Event], *, state_finite: bool | None = None,
-               skipped: bool = False) -> list[Action]:
+               skipped: bool = False, repairable: bool = False) -> PolicyDecision:
         """``state_finite``: on a step with a non-finite loss or gradient, whether the guard found
         parameters and optimizer state finite (``None``: not checked). ``True``: the bad step was
         never applied and a lone non-finite step is one bad batch -- a rewind it would ask for
         becomes a skip (the streak rule, ``rewind_after_nonfinite``, still applies). ``False``:
-        the state is poisoned already -- a skip becomes a rewind (the guard repairs in place
-        instead when only the optimizer state is hit). ``skipped``: the guard skips this step for
-        a reason of its own (a finite gradient whose square overflows): it counts toward the
-        streak like a non-finite one (a state that gives every batch such a gradient is broken)."""
+        the state is poisoned already -- a skip becomes a rewind. ``repairable``: only the
+        optimizer state is poisoned (parameters finite): a rewind asked for by the non-finite
+        alerts alone becomes a REPAIR in place, which counts toward no rewind limit (the streak
+        starts over: the repair acted on what made the steps non-finite). ``skipped``: the guard
+        skips this step for a reason of its own (a finite gradient whose square overflows): it
+        counts toward the streak like a non-finite one (a state that gives every batch such a
+        gradient is broken)."""
         cfg = self.cfg
         self.tick += 1
         t = self.tick
-        reasons: list[str] = []
         wanted: dict[Action, str] = {}
-
         triggers: list[str] = []
-        self.suppressed, self.rewind_triggers, self.halt_reason, self._undo = [], (), None, None
-
-        def want(action: Action, why: str, trigger: str) -> None:
-            if action is Action.REWIND:
-                triggers.append(trigger)
-            if action is not Action.NONE and action not in wanted:
-                wanted[action] = why
-
-        nonfinite_now = False
-        warned_now = False
+        nonfinite_now = warned_now = False
         for a in alerts:
             field = _KIND_FIELD.get(a.kind)
             if field is None:
                 continue  # action / outcome events are not the policy's input
-            if a.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE):
-                nonfinite_now = True
-            if a.kind is Kind.COLLAPSE_RISK:
-                warned_now = True
-            action = getattr(cfg, field)
-            if a.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE) and state_finite is not None:
-                if state_finite and action is Action.REWIND:
-                    action = Action.SKIP  # one bad batch: nothing was written, nothing to rewind
-                elif not state_finite and action is Action.SKIP:
-                    action = Action.REWIND  # the state is poisoned already: a skip cannot fix it
-            want(action, f"{a.kind} ({a.level}) at step {a.step}", str(a.kind))
+            nonfinite_now |= a.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE)
+            warned_now |= a.kind is Kind.COLLAPSE_RISK
+            action = _with_state(getattr(cfg, field), a.kind, state_finite)
+            if action is Action.REWIND:
+                triggers.append(str(a.kind))
+            if action is not Action.NONE:
+                wanted.setdefault(action, f"{a.kind} ({a.level}) at step {a.step}")
 
         self.nonfinite_streak = self.nonfinite_streak + 1 if (nonfinite_now or skipped) else 0
-        if cfg.rewind_after_nonfinite and self.nonfinite_streak >= cfg.rewind_after_nonfinite:
-            want(Action.REWIND, f"{self.nonfinite_streak} non-finite steps in a row", "nonfinite_streak")
+        streak = self.nonfinite_streak
+        if cfg.rewind_after_nonfinite and streak >= cfg.rewind_after_nonfinite:
+            triggers.append("nonfinite_streak")
+            wanted.setdefault(Action.REWIND, f"{streak} non-finite steps in a row")
 
-        # -- checkpoint: cooldown, hysteresis, rate limit ------------------------------------
+        reasons = self._checkpoint(wanted, warned_now, t)
+        suppressed: tuple[str, ...] = ()
+        if Action.REWIND in wanted:
+            if repairable and set(triggers) <= _NONFINITE_KINDS:
+                # only the optimizer state is poisoned: repaired in place, no rewind to count
+                wanted[Action.REPAIR] = wanted.pop(Action.REWIND)
+                self.nonfinite_streak = 0
+            else:
+                note = self._rewind(wanted, t)
+                if note:
+                    reasons.append(note)
+                    suppressed = (note,)
+        actions = tuple(sorted(wanted, key=_SEVERITY.__getitem__, reverse=True))
+        return PolicyDecision(
+            actions=actions, reasons=tuple(f"{a.value}: {wanted[a]}" for a in actions) + tuple(reasons),
+            suppressed=suppressed, rewind_triggers=tuple(triggers) if Action.REWIND in wanted
+            or Action.REPAIR in wanted else (), halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak)
+
+    def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
+        """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
+        cfg, reasons = self.cfg, []
         if Action.CHECKPOINT in wanted:
             why = wanted.pop(Action.CHECKPOINT)
             while self.checkpoints and t - self.checkpoints[0] >= cfg.checkpoint_window:
@@ -239,45 +283,26 @@ class Policy:
                 self.checkpoints.append(t)
         if warned_now:
             self.last_warning = t
+        return reasons
 
-        # -- rewind: cooldown, then the limit turns it into a halt ---------------------------
-        if Action.REWIND in wanted:
-            why = wanted.pop(Action.REWIND)
-            while self.rewinds and t - self.rewinds[0] >= cfg.rewind_window:
-                self.rewinds.popleft()
-            if t - self.last_rewind <= cfg.rewind_cooldown:
-                note = (f"no rewind for {why}: cooldown ({t - self.last_rewind} <= "
-                        f"{cfg.rewind_cooldown} steps since the last; PolicyConfig.rewind_cooldown)")
-                reasons.append(note)
-                self.suppressed.append(note)
-            elif len(self.rewinds) >= cfg.max_rewinds:
-                want(Action.HALT, f"{why}, but already {len(self.rewinds)} rewinds within "
-                                  f"{cfg.rewind_window} steps (PolicyConfig.max_rewinds={cfg.max_rewinds})", "")
-            else:
-                wanted[Action.REWIND] = why
-                self.rewind_triggers = tuple(triggers)
-                self._undo = (self.last_rewind, self.nonfinite_streak)
-                self.rewind_streak = self.nonfinite_streak
-                self.last_rewind = t
-                self.rewinds.append(t)
-                self.nonfinite_streak = 0
-        if Action.HALT in wanted:
-            self.halt_reason = wanted[Action.HALT]
-
-        actions = sorted(wanted, key=_SEVERITY.__getitem__, reverse=True)
-        self.last_reasons = [f"{a.value}: {wanted[a]}" for a in actions] + reasons
-        return actions
-
-    def withdraw_rewind(self) -> None:
-        """The guard resolved this step's rewind without rewinding (poisoned optimizer state
-        repaired in place): it does not count toward the cooldown or the limit. The non-finite
-        streak still starts over: the repair acted on what made the steps non-finite."""
-        if self._undo is None:
-            return
-        self.last_rewind = self._undo[0]
-        if self.rewinds and self.rewinds[-1] == self.tick:
-            self.rewinds.pop()
-        self._undo = None
+    def _rewind(self, wanted: dict[Action, str], t: int) -> str | None:
+        """Cooldown, then the limit that turns a rewind into a halt; the line of a rewind not taken."""
+        cfg = self.cfg
+        why = wanted.pop(Action.REWIND)
+        while self.rewinds and t - self.rewinds[0] >= cfg.rewind_window:
+            self.rewinds.popleft()
+        if t - self.last_rewind <= cfg.rewind_cooldown:
+            return (f"no rewind for {why}: cooldown ({t - self.last_rewind} <= "
+                    f"{cfg.rewind_cooldown} steps since the last; PolicyConfig.rewind_cooldown)")
+        if len(self.rewinds) >= cfg.max_rewinds:
+            wanted.setdefault(Action.HALT, f"{why}, but already {len(self.rewinds)} rewinds within "
+                                           f"{cfg.rewind_window} steps (PolicyConfig.max_rewinds={cfg.max_rewinds})")
+            return None
+        wanted[Action.REWIND] = why
+        self.last_rewind = t
+        self.rewinds.append(t)
+        self.nonfinite_streak = 0
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"tick": self.tick, "nonfinite_streak": self.nonfinite_streak,
@@ -293,4 +318,3 @@ class Policy:
         self.checkpoints = deque(int(v) for v in d["checkpoints"])
         self.last_rewind = int(d["last_rewind"])
         self.rewinds = deque(int(v) for v in d["rewinds"])
-        self.last_reasons = []

@@ -39,7 +39,7 @@ class DeferredStep:
         w, opt = self.watcher, self.optimizer
         # A fused optimizer unscales inside its kernel, so its gradients are still scaled here:
         # hand the watcher the scale as GradScaler.step would (the norms are then unscaled).
-        set_scale = self.scaler is not None and w._fused and getattr(opt, "grad_scale", None) is None
+        set_scale = self.scaler is not None and w._install.fused and getattr(opt, "grad_scale", None) is None
         if set_scale:
             opt.grad_scale = self.scaler._scale  # type: ignore[attr-defined, union-attr]
         try:

@@ -91,11 +91,11 @@ def train(mode: str, tmp_path, *, lag=1, inf_at=INF_AT, poison_at=POISON_AT, opt
         policy=earlywarn.PolicyConfig(on_nonfinite_grad="checkpoint"),
     )
     if mode == "async":
-        ew._reader = LateReader(event_factory=LateEvents(lag))  # the test double: vectors k steps late
+        ew.statistics.reader = LateReader(event_factory=LateEvents(lag))  # the test double: vectors k steps late
     else:
         # float64 norms as async mode takes them (and both modes do on CUDA): the detector then
         # sees the same numbers to the last bit, and its state can be compared exactly
-        ew._stats.exact = True
+        ew.statistics.stats.exact = True
     trace: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}  # kept steps: batch, params after
     skipped_after: dict[int, int] = {}
     poisoned = False
@@ -249,7 +249,7 @@ def test_policy_skip_of_a_finite_spike_is_not_reported_as_a_skip_in_async_mode()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     with pytest.warns(UserWarning, match="on_grad_spike=skip cannot act in async mode"):
         ew = earlywarn.watch(model, opt, mode="async", sinks=[], policy=earlywarn.PolicyConfig(on_grad_spike="skip"))
-    ew._reader = LateReader(event_factory=LateEvents(1))
+    ew.statistics.reader = LateReader(event_factory=LateEvents(1))
     g = torch.Generator().manual_seed(0)
     for i in range(60):
         x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)

@@ -51,14 +51,14 @@ def _run(rank: int, mode: str, tmp: Path) -> dict[str, Any]:
                          recovery=RecoveryConfig(snapshot_every=4, clean_window=3,
                                                  quarantine_path=str(tmp / f"q-{mode}-{rank}.jsonl")))
     if mode == "sync":
-        ew._stats.exact = True  # the norms async mode takes: the detector sees the same numbers
+        ew.statistics.stats.exact = True  # the norms async mode takes: the detector sees the same numbers
     else:
         from test_async import LateEvents
 
         # Each rank's device at its own pace (copies land 1 vs 3 steps late): the reader still
         # hands every rank each step exactly two steps late.
-        ew._reader = LateReader(fixed_lag=ew._reader.fixed_lag, event_factory=LateEvents(1 if rank == 0 else 3))
-    lag = ew._reader.fixed_lag if isinstance(ew._reader, LateReader) else 0
+        ew.statistics.reader = LateReader(fixed_lag=ew.statistics.reader.fixed_lag, event_factory=LateEvents(1 if rank == 0 else 3))
+    lag = ew.statistics.reader.fixed_lag if isinstance(ew.statistics.reader, LateReader) else 0
     step_of_skip = None
     for epoch in range(3):
         for i, (xb, yb) in enumerate(loader):

@@ -165,7 +165,7 @@ def test_a_spike_that_the_clip_flattens_is_seen_as_it_was(monkeypatch):
 def test_a_closed_watcher_no_longer_follows_the_clip():
     model, opt = model_and_opt()
     ew = earlywarn.watch(model, opt, sinks=[])
-    obs = ew._clipping
+    obs = ew.statistics.clipping
     ew.close()
     x, y = batches(1)[0]
     nn.functional.mse_loss(model(x), y).backward()

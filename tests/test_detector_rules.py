@@ -244,7 +244,7 @@ def test_watch_feeds_the_step_lr_and_warns_on_a_pulse_before_its_update():
             sched.step()
         lr_events = [e for e in ew.events if e.signal == "lr"]
         assert [e.step for e in lr_events] == [80] and lr_events[0].level == Level.WARNING
-        assert ew.detector.state.lr_n == 100 and not ew._step_lr
+        assert ew.detector.state.lr_n == 100 and not ew.statistics._step_lr
     finally:
         ew.close()
 

@@ -186,7 +186,7 @@ def scenario_ddp_norms(rank: int, tmp: Path) -> dict[str, Any]:
             got.append({n.removeprefix("module."): float(v) for n, v in zip(ew.layer_names, seen[-1].layer_norms)})
             losses.append(seen[-1].loss)
         out[f"report={report}"] = {"got": got, "want": want, "collectives": collectives,
-                                  "reducer": ew._reducer.collectives, "losses": losses, "ref_losses": ref_losses}
+                                  "reducer": ew.statistics.reducer.collectives, "losses": losses, "ref_losses": ref_losses}
         ew.close()
     return out
 
@@ -219,7 +219,7 @@ def scenario_fsdp_norms(rank: int, tmp: Path) -> dict[str, Any]:
                 opt.step()
             collectives.append(c.ops)
             got.append(dict(zip(ew.layer_names, map(float, seen[-1].layer_norms))))
-        out[name] = {"got": got, "want": want, "collectives": collectives, "sharded": ew._reducer.sharded}
+        out[name] = {"got": got, "want": want, "collectives": collectives, "sharded": ew.statistics.reducer.sharded}
         ew.close()
     return out
 
@@ -344,7 +344,7 @@ def scenario_rank_local_loss(rank: int, tmp: Path) -> dict[str, Any]:
         opt.step()
         skipped.append(before == digest(local_state(ddp.module, opt)))
     out = {"losses": [o.loss for o in seen], "events": events(ew), "skipped": skipped,
-           "digest": digest(local_state(ddp.module, opt)), "collectives": ew._reducer.collectives,
+           "digest": digest(local_state(ddp.module, opt)), "collectives": ew.statistics.reducer.collectives,
            "sinks": [sink.name for sink in ew.sinks], "tracked_steps": len(tracker.steps)}
     ew.close()
     return out

@@ -21,7 +21,7 @@ def ev(step: int, kind: Kind) -> Event:
 def run(policy: Policy, script: dict[int, list[Kind]], steps: int) -> dict[int, list[Action]]:
     out = {}
     for s in range(steps):
-        acts = policy.decide(s, [ev(s, k) for k in script.get(s, [])])
+        acts = list(policy.decide(s, [ev(s, k) for k in script.get(s, [])]).actions)
         if acts:
             out[s] = acts
     return out
@@ -29,13 +29,14 @@ def run(policy: Policy, script: dict[int, list[Kind]], steps: int) -> dict[int, 
 
 def test_defaults_map_each_alert_to_its_documented_action():
     p = Policy()
-    assert p.decide(0, []) == []
-    assert p.decide(1, [ev(1, Kind.GRAD_SPIKE)]) == []
-    assert p.decide(2, [ev(2, Kind.SCALER_OVERFLOW)]) == []
-    assert p.decide(3, [ev(3, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
-    assert p.decide(4, [ev(4, Kind.COLLAPSE_RISK)]) == [Action.CHECKPOINT]
-    assert p.decide(5, [ev(5, Kind.LOSS_DIVERGED)]) == [Action.REWIND]
-    assert "rewind" in p.last_reasons[0] and "loss_diverged" in p.last_reasons[0]
+    assert not p.decide(0, []).actions
+    assert not p.decide(1, [ev(1, Kind.GRAD_SPIKE)]).actions
+    assert not p.decide(2, [ev(2, Kind.SCALER_OVERFLOW)]).actions
+    assert p.decide(3, [ev(3, Kind.NONFINITE_GRAD)]).actions == (Action.SKIP,)
+    assert p.decide(4, [ev(4, Kind.COLLAPSE_RISK)]).actions == (Action.CHECKPOINT,)
+    d = p.decide(5, [ev(5, Kind.LOSS_DIVERGED)])
+    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("loss_diverged",)
+    assert "rewind" in d.reasons[0] and "loss_diverged" in d.reasons[0]
 
 
 def test_nonfinite_streak_turns_skips_into_a_rewind_then_starts_over():
@@ -43,50 +44,59 @@ def test_nonfinite_streak_turns_skips_into_a_rewind_then_starts_over():
     acts = run(p, {s: [Kind.NONFINITE_GRAD] for s in range(10, 15)}, 15)
     assert acts[10] == [Action.SKIP] and acts[11] == [Action.SKIP]
     assert acts[12] == [Action.REWIND, Action.SKIP]  # most drastic first
-    assert p.rewind_streak == 3  # what the granted rewind was for (rewind_triggers is per decision)
     assert acts[13] == [Action.SKIP] and acts[14] == [Action.SKIP]
     # the streak restarted at the rewind; the next rewind would be inside the cooldown, and says so
-    assert p.decide(15, [ev(15, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
-    assert any("no rewind" in r and "cooldown" in r for r in p.last_reasons)
-    assert p.suppressed and "PolicyConfig.rewind_cooldown" in p.suppressed[0]
+    d = p.decide(15, [ev(15, Kind.NONFINITE_GRAD)])
+    assert d.actions == (Action.SKIP,)
+    assert any("no rewind" in r and "cooldown" in r for r in d.reasons)
+    assert d.suppressed and "PolicyConfig.rewind_cooldown" in d.suppressed[0]
     # by default there is no cooldown: an instability that comes back is the recovery's to diagnose
     p = Policy()
-    acts = run(p, {s: [Kind.NONFINITE_GRAD] for s in range(10, 16)}, 16)
-    assert acts[12][0] is Action.REWIND and acts[15][0] is Action.REWIND and not p.suppressed
+    acts = run(p, {s: [Kind.NONFINITE_GRAD] for s in range(10, 15)}, 15)
+    d = p.decide(15, [ev(15, Kind.NONFINITE_GRAD)])
+    assert acts[12][0] is Action.REWIND and d.first is Action.REWIND and not d.suppressed
+    assert d.nonfinite_streak == 3  # what the granted rewind was for (the onset of the streak)
 
 
 def test_a_nonfinite_loss_counts_toward_the_streak():
     p = Policy()
-    assert p.decide(10, [ev(10, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.SKIP]
-    assert p.decide(11, [ev(11, Kind.NONFINITE_GRAD)]) == [Action.SKIP]
-    assert p.decide(12, [ev(12, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.REWIND, Action.SKIP]
-    assert p.rewind_triggers == ("nonfinite_streak",) and p.nonfinite_streak == 0
+    assert p.decide(10, [ev(10, Kind.LOSS_NONFINITE)], state_finite=True).actions == (Action.SKIP,)
+    assert p.decide(11, [ev(11, Kind.NONFINITE_GRAD)]).actions == (Action.SKIP,)
+    d = p.decide(12, [ev(12, Kind.LOSS_NONFINITE)], state_finite=True)
+    assert d.actions == (Action.REWIND, Action.SKIP)
+    assert d.rewind_triggers == ("nonfinite_streak",) and p.nonfinite_streak == 0
 
 
 def test_the_state_check_makes_a_lone_nonfinite_step_a_skip_or_a_rewind():
     p = Policy()
     # finite parameters and state: the bad step was never applied -- one bad batch, skipped
-    assert p.decide(0, [ev(0, Kind.NONFINITE_GRAD), ev(0, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.SKIP]
+    assert p.decide(0, [ev(0, Kind.NONFINITE_GRAD), ev(0, Kind.LOSS_NONFINITE)], state_finite=True).actions == (Action.SKIP,)
     assert not p.rewinds and p.nonfinite_streak == 1
     # poisoned already: a skip cannot fix it
-    assert p.decide(1, [ev(1, Kind.NONFINITE_GRAD)], state_finite=False) == [Action.REWIND]
-    assert p.rewind_triggers == ("nonfinite_grad",)
+    d = p.decide(1, [ev(1, Kind.NONFINITE_GRAD)], state_finite=False)
+    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("nonfinite_grad",)
     # the streak still rewinds three bad steps in a row, finite state or not
     p = Policy()
     for s in range(2):
         p.decide(s, [ev(s, Kind.LOSS_NONFINITE)], state_finite=True)
-    assert p.decide(2, [ev(2, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.REWIND, Action.SKIP]
+    assert p.decide(2, [ev(2, Kind.LOSS_NONFINITE)], state_finite=True).actions == (Action.REWIND, Action.SKIP,)
     # a user who asked to halt on a NaN loss gets that, state or not
     p = Policy(PolicyConfig(on_loss_nonfinite="halt"))
-    assert p.decide(0, [ev(0, Kind.LOSS_NONFINITE)], state_finite=True) == [Action.HALT]
+    assert p.decide(0, [ev(0, Kind.LOSS_NONFINITE)], state_finite=True).actions == (Action.HALT,)
 
 
-def test_a_rewind_the_guard_resolved_otherwise_is_withdrawn():
+def test_poisoned_optimizer_state_alone_is_repaired_not_rewound():
     p = Policy(PolicyConfig(rewind_cooldown=10, max_rewinds=1))
-    assert p.decide(0, [ev(0, Kind.NONFINITE_GRAD)], state_finite=False) == [Action.REWIND]
-    p.withdraw_rewind()  # repaired in place: no rewind happened
+    d = p.decide(0, [ev(0, Kind.NONFINITE_GRAD)], state_finite=False, repairable=True)
+    assert d.actions == (Action.REPAIR,) and d.rewind_triggers == ("nonfinite_grad",)
     assert not p.rewinds and p.nonfinite_streak == 0  # the repair acted: the streak starts over
-    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]) == [Action.REWIND]  # neither cooldown nor limit hit
+    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]).actions == (Action.REWIND,)  # neither cooldown nor limit hit
+    # a divergence or a streak is not the optimizer state's alone: a rewind, repairable or not
+    p = Policy()
+    for s in range(2):
+        p.decide(s, [ev(s, Kind.NONFINITE_GRAD)], state_finite=True)
+    d = p.decide(2, [ev(2, Kind.NONFINITE_GRAD)], state_finite=False, repairable=True)
+    assert d.first is Action.REWIND and "nonfinite_streak" in d.rewind_triggers
 
 
 def test_warning_checkpoints_have_cooldown_hysteresis_and_a_rate_limit():
@@ -100,12 +110,12 @@ def test_warning_checkpoints_have_cooldown_hysteresis_and_a_rate_limit():
     script = {s: [Kind.COLLAPSE_RISK] for s in (0, 4, 20, 40)}
     acts = run(p, script, 60)
     assert [s for s, a in acts.items() if Action.CHECKPOINT in a] == [0, 20, 40]
-    assert p.decide(60, [ev(60, Kind.COLLAPSE_RISK)]) == []
-    assert any("rate limit" in r for r in p.last_reasons)
+    d = p.decide(60, [ev(60, Kind.COLLAPSE_RISK)])
+    assert not d.actions and any("rate limit" in r for r in d.reasons)
     p2 = Policy(cfg)
     run(p2, {0: [Kind.COLLAPSE_RISK]}, 5)
-    assert p2.decide(5, [ev(5, Kind.COLLAPSE_RISK)]) == []
-    assert "cooldown" in p2.last_reasons[0]
+    d = p2.decide(5, [ev(5, Kind.COLLAPSE_RISK)])
+    assert not d.actions and "cooldown" in d.reasons[0]
 
 
 def test_too_many_rewinds_within_the_window_halt_the_run():
@@ -125,12 +135,12 @@ def test_too_many_rewinds_within_the_window_halt_the_run():
 def test_configured_actions_and_none():
     p = Policy(PolicyConfig(on_collapse_risk="skip", on_loss_diverged=Action.HALT, on_nonfinite_grad="none",
                             rewind_after_nonfinite=0))
-    assert p.decide(0, [ev(0, Kind.COLLAPSE_RISK)]) == [Action.SKIP]
-    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]) == [Action.HALT]
+    assert p.decide(0, [ev(0, Kind.COLLAPSE_RISK)]).actions == (Action.SKIP,)
+    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]).actions == (Action.HALT,)
     for s in range(2, 10):
-        assert p.decide(s, [ev(s, Kind.NONFINITE_GRAD)]) == []
+        assert not p.decide(s, [ev(s, Kind.NONFINITE_GRAD)]).actions
     # action events (the guard's own records) are not inputs
-    assert p.decide(10, [Event(step=10, kind=Kind.REWIND, level=Level.WARNING, message="rewound")]) == []
+    assert not p.decide(10, [Event(step=10, kind=Kind.REWIND, level=Level.WARNING, message="rewound")]).actions
 
 
 def test_config_validation_names_the_field_and_the_fix():
@@ -145,6 +155,8 @@ def test_config_validation_names_the_field_and_the_fix():
     cfg = PolicyConfig(on_grad_spike="checkpoint")
     assert cfg.on_grad_spike is Action.CHECKPOINT
     assert PolicyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="repair.*poisoned optimizer state"):
+        PolicyConfig(on_loss_diverged="repair")
     with pytest.raises(ValueError, match="unknown field"):
         PolicyConfig.from_dict({"max_rewind": 3})
 
@@ -163,7 +175,7 @@ def test_state_dict_round_trip_mid_run_gives_the_same_decisions():
         second = Policy(cfg)
         second.load_state_dict(json.loads(json.dumps(first.state_dict())))
         for s in range(cut, 400):
-            acts = second.decide(s, [ev(s, k) for k in script.get(s, [])])
+            acts = list(second.decide(s, [ev(s, k) for k in script.get(s, [])]).actions)
             if acts:
                 got[s] = acts
         assert got == whole, cut

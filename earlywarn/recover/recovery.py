@@ -377,7 +377,7 @@ class Recovery:
         if path is not None:
             self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
                             message=f"checkpoint ({reason}{', clean' if clean else ''}) -> {path}",
-                            signal=reason, values={"clean": float(clean)}))
+                            signal=reason, values={"clean": float(clean)}, path=str(path)))
         return path
 
     def _checkpoint_failed(self, path: Path, error: BaseException) -> None:
@@ -409,7 +409,7 @@ class Recovery:
             return self._save_disk(snap, label, clean=False, reason=reason)
         self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
                         message=f"in-memory snapshot ({reason}) of the state after step {label}", signal=reason,
-                        values={"clean": 0.0}))
+                        values={"clean": 0.0}, path=f"memory:{label}"))
         return f"memory:{label}"
 
     # -- blame -----------------------------------------------------------------------------

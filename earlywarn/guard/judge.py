@@ -1,0 +1,99 @@
+"""Judging a step: its Observation -> one immutable :class:`Decision`, for every entry point.
+
+The detector says what is wrong, a state scan (rare: only after a non-finite value) says whether
+anything was written, the policy says what to do. Nothing is carried out here: the watcher
+applies or skips the update and the responses (:mod:`earlywarn.guard.respond`) do the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from earlywarn.detect import Observation, StreamingDetector
+from earlywarn.events import Event
+from earlywarn.guard.episode import Episode
+from earlywarn.guard.statistics import SQ_OVERFLOW
+from earlywarn.policy import Action, Policy, PolicyDecision
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What was seen at one step and what is to be done about it."""
+
+    obs: Observation
+    alerts: tuple[Event, ...]
+    policy: PolicyDecision
+    nonfinite: bool
+    """A gradient held NaN/Inf."""
+    overflow: bool
+    """Finite, but a layer's squared norm overflows float32 (|g| >~ 1.8e19)."""
+    loss_bad: bool
+    """The reported loss is NaN/Inf."""
+    scan: Any
+    """The state scan of a non-finite step (None: not taken)."""
+    bad_batch: bool
+    """A non-finite step with the state verified finite and no incident in progress: the batch's fault."""
+    skip: bool
+    """The update is not applied (sync: decided here; async: what the device flag skipped)."""
+
+    @property
+    def restores(self) -> bool:
+        """The step ends in a rewind or an in-place repair instead of an update."""
+        return Action.REWIND in self.policy or Action.REPAIR in self.policy
+
+    @property
+    def repair(self) -> bool:
+        return Action.REPAIR in self.policy
+
+    @property
+    def halt(self) -> bool:
+        return Action.HALT in self.policy
+
+    @property
+    def checkpoint(self) -> bool:
+        """A warning copy now, before this step's update (the run is still clean)."""
+        return Action.CHECKPOINT in self.policy and Action.REWIND not in self.policy
+
+
+class Judge:
+    """``judge(obs, layer_sq, episode) -> Decision``. ``scan``: recovery's state scan (one host
+    read, only on a non-finite step); ``scaler``: a GradScaler owns non-finite steps (its overflow
+    steps are routine, nothing to scan); ``late``: async mode, where the device already skipped
+    exactly the non-finite steps and a finite step's update is applied before it is judged."""
+
+    def __init__(self, detector: StreamingDetector, policy: Policy, scan: Any, *, scaler: bool, late: bool):
+        self.detector = detector
+        self.policy = policy
+        self._scan = scan
+        self._scaler = scaler
+        self._late = late
+
+    def __call__(self, obs: Observation, layer_sq: np.ndarray, counted: bool, step: int, episode: Episode) -> Decision:
+        alerts = tuple(self.detector.observe(obs))
+        # the global norm is finite iff every layer's is (a recount's non-finite elements show in it)
+        nonfinite = not obs.grad_finite if counted else not math.isfinite(obs.grad_norm)
+        loss_bad = obs.loss is not None and not math.isfinite(obs.loss)
+        # no layer's square can overflow unless their sum does
+        overflow = (not nonfinite and obs.grad_norm * obs.grad_norm > SQ_OVERFLOW
+                    and bool(np.any(layer_sq > SQ_OVERFLOW)))
+        scan = None
+        if loss_bad or (nonfinite and not self._scaler):
+            # Rare path: was anything written? Finite parameters and optimizer state mean the bad
+            # step was never applied: one bad batch, skipped, not a reason to rewind.
+            scan = self._scan()
+        state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
+        if state_finite and episode.in_incident(step):
+            state_finite = None  # an incident is in progress: finite is not proof of one bad batch
+        repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
+        policy = self.policy.decide(obs.step, alerts, state_finite=state_finite, skipped=overflow,
+                                    repairable=repairable)
+        # async: a policy SKIP cannot be honoured, the update was queued before it was judged
+        wanted = Action.SKIP in policy and not self._late or loss_bad and not self._late
+        skip = nonfinite or overflow or wanted or Action.REPAIR in policy
+        return Decision(obs=obs, alerts=alerts, policy=policy, nonfinite=nonfinite, overflow=overflow,
+                        loss_bad=loss_bad, scan=scan, bad_batch=bool(state_finite) and Action.REPAIR not in policy,
+                        skip=skip)

@@ -1,0 +1,186 @@
+"""Carrying out a :class:`~earlywarn.guard.judge.Decision`: the events it announces, the skip it
+reports, the bad batch it quarantines, and the repair, rewind or halt it ends in.
+
+The watcher decides *when* (before or after the update, now or a step late); this module decides
+nothing and only does what the decision says, through :class:`earlywarn.recover.Recovery`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NoReturn
+
+import numpy as np
+
+from earlywarn.events import Event, Kind, Level
+from earlywarn.guard.episode import Episode, onset
+from earlywarn.guard.judge import Decision
+from earlywarn.guard.statistics import SQ_OVERFLOW, StepStatistics, StepTag
+from earlywarn.guard.telemetry import Telemetry
+from earlywarn.recover import Halt, Recovery, RewindReport
+
+
+class Responses:
+    """``flush``: the watcher's own (drains steps in flight, settles recovery, flushes the sinks),
+    run before a Halt leaves."""
+
+    def __init__(self, recovery: Recovery, telemetry: Telemetry, statistics: StepStatistics, *,
+                 scaler: bool, flush: Callable[[], None]):
+        self.recovery = recovery
+        self.telemetry = telemetry
+        self.statistics = statistics
+        self.scaler = scaler
+        self._flush = flush
+
+    # -- before the update ---------------------------------------------------------------------------
+    def announce(self, decision: Decision, tag: StepTag) -> None:
+        """The step's alerts; a rewind the policy wanted and did not take (and why); a halt; a
+        warning checkpoint, taken now, before this step's update, while the run is still clean."""
+        for alert in decision.alerts:
+            self.telemetry.emit(alert)
+        for note in decision.policy.suppressed:
+            self.telemetry.emit(Event(
+                step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="policy",
+                message=f"{note}: not rewinding; "
+                        + ("the step is skipped" if decision.skip else "the step is applied as usual"),
+                values={"rewound": 0.0}, batch=_batch_index(tag)))
+        if decision.halt:
+            reason = _reason(decision)
+            why = (self.recovery.recurrence_of(tag.step, reason) or self.recovery.lr_trend(tag.step)).rstrip(".")
+            self.halt(tag, f"policy halted the run at step {tag.run_step}: {decision.policy.halt_reason or 'configured'}; "
+                           f"rewinds so far: {self.recovery.describe_rewinds()}. {why}. "
+                           "The instability keeps coming back: lower the learning rate or inspect the quarantined "
+                           f"batches in {self.recovery.quarantine_path}, then resume from the last clean checkpoint.")
+        if decision.checkpoint:
+            self.recovery.checkpoint(tag.step, reason="warning")  # its CHECKPOINT event comes from recovery
+
+    # -- a skipped step -------------------------------------------------------------------------------
+    def skipped(self, decision: Decision, tag: StepTag) -> None:
+        """Report a skipped step; a bad batch (state verified finite) is quarantined, and the
+        buffers its forward poisoned (BatchNorm statistics) are copied back."""
+        self.telemetry.count("skipped_steps")
+        self._skip_event(decision, tag)
+        if not decision.bad_batch:
+            return
+        scan = decision.scan
+        if scan is not None and scan.buffers and self.recovery.repair(tag.step, scan=scan, incident=False).repaired:
+            self.telemetry.count("repaired_steps")
+        what = "non-finite loss" if decision.loss_bad else "non-finite gradient"
+        self.recovery.quarantine_batch(
+            tag.step, f"{what}: bad batch",
+            note=" (parameters and optimizer state finite: the step was skipped before anything was "
+                 "written, nothing rewound)")
+
+    def _skip_event(self, decision: Decision, tag: StepTag) -> None:
+        obs = decision.obs
+        bad = self.bad_layers(decision)
+        if bad:
+            what = f"non-finite gradient in {bad[0]!r} (first in backward order; {len(bad)} layer(s)"
+            if tag.counts is not None:
+                what += f", {int(np.nansum(obs.layer_nonfinite))} element(s)"
+            what += ")"
+        elif decision.overflow:
+            huge = self.statistics.in_backward_order(np.flatnonzero(obs.layer_norms ** 2 > SQ_OVERFLOW))
+            what = (f"huge finite gradient in {self.telemetry.layer_names[huge[0]]!r} (norm {obs.grad_norm:.3g}: its "
+                    "square overflows float32, so the optimizer's second moments would turn inf)")
+        else:
+            what = "gradient spike"
+        # Without a restorable loader the batch is known by its step (and fingerprint, when seen).
+        if tag.batch is not None:
+            batch = str(tag.batch)
+        else:
+            ref = self.recovery.batch_at(tag.step)
+            batch = f"the batch drawn for step {tag.run_step}" + (f" (fingerprint {ref.fingerprint})" if ref else "")
+        level = Level.CRITICAL if decision.nonfinite else Level.WARNING
+        if self.scaler and decision.nonfinite:
+            # The scaler doing its job (start-up, after each scale growth): info. A scale that
+            # keeps collapsing is the detector's SCALER_OVERFLOW critical.
+            action = "GradScaler skipped the step (loss-scale overflow or a bad batch)"
+            level = Level.INFO
+        else:
+            action = "optimizer step skipped, params and optimizer state untouched"
+        self.telemetry.emit(Event(
+            step=tag.run_step, kind=Kind.SKIP, level=level, message=f"{what} from {batch}: {action}",
+            signal="grad_norm", layers=tuple(bad),
+            values={"grad_norm": obs.grad_norm if obs.grad_norm is not None else math.nan},
+            batch=_batch_index(tag) if tag.batch is not None else tag.step))
+
+    def bad_layers(self, decision: Decision) -> list[str]:
+        """Layers with a non-finite gradient, the first reached in backward first."""
+        nonfinite = decision.obs.layer_nonfinite
+        if nonfinite is None:
+            return []
+        names = self.telemetry.layer_names
+        return [names[i] for i in self.statistics.in_backward_order(np.flatnonzero(np.asarray(nonfinite) > 0))]
+
+    # -- instead of the update ----------------------------------------------------------------------
+    def repair(self, decision: Decision, tag: StepTag) -> None:
+        """Poisoned optimizer state with finite parameters: repaired in place, progress kept."""
+        self.recovery.repair(tag.step, scan=decision.scan)
+        self.telemetry.count("repaired_steps")
+
+    def rewind(self, decision: Decision, tag: StepTag, episode: Episode) -> RewindReport:
+        """Back to the newest clean snapshot taken before the incident began (raises Halt when
+        recovery cannot)."""
+        self.telemetry.count("nonfinite_steps", int(decision.nonfinite))
+        first = onset(tag.step, [a for a in decision.alerts if a.level >= Level.WARNING])
+        if "nonfinite_streak" in decision.policy.rewind_triggers:
+            first = min(first, tag.step - decision.policy.nonfinite_streak + 1)
+        if episode.onset is not None:
+            first = min(first, episode.onset)
+        first = max(0, first)
+        scan = decision.scan  # taken on a non-finite step; a finite divergence needs none here
+        # a finite loss and finite gradients came from finite weights: no scan to take
+        known_finite = scan is None and not (decision.nonfinite or decision.loss_bad or decision.overflow)
+        try:
+            report = self.recovery.rewind(tag.step, reason=_reason(decision), onset=first, scan=scan,
+                                          known_finite=known_finite, blame=self._blame(decision, tag, first))
+        except Halt as exc:
+            self.halt(tag, str(exc), cause=exc)
+        self.telemetry.count("rewinds")
+        return report
+
+    def _blame(self, decision: Decision, tag: StepTag, first: int) -> Any:
+        """Who is responsible: when the symptom is a non-finite loss or poisoned parameters,
+        the last step that was applied (its update wrote the damage); else the step where the
+        incident began (a divergence may be a hyperparameter's fault: "the episode began with");
+        else this step's own batch."""
+        kinds = {a.kind for a in decision.alerts}
+        scan = decision.scan
+        # Poisoned state names its own origin (the rewind adds it when it scans); otherwise the
+        # layer whose gradient moved first.
+        poisoned = scan is not None and scan.params_poisoned
+        layer = (scan.first_layer if scan is not None else None) or next((a.layer for a in decision.alerts if a.layer), None)
+        loss = decision.obs.loss
+        if Kind.LOSS_NONFINITE in kinds:
+            symptom = "the loss turned NaN" if loss is not None and math.isnan(loss) else "the loss turned non-finite"
+        elif Kind.LOSS_DIVERGED in kinds:
+            symptom = "the loss diverged"
+        elif decision.nonfinite:
+            symptom = "gradients turned non-finite"
+        else:
+            symptom = "the incident"
+        role = "the batch responsible"
+        if poisoned or Kind.LOSS_NONFINITE in kinds:
+            responsible = max(tag.step - 1, 0)
+        elif first < tag.step:
+            responsible, role = first, "the episode began with"
+        else:
+            responsible = tag.step
+        return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step, role=role)
+
+    def halt(self, tag: StepTag, message: str, cause: BaseException | None = None) -> NoReturn:
+        self.telemetry.emit(Event(step=tag.run_step, kind=Kind.HALT, level=Level.CRITICAL, message=message,
+                                  batch=_batch_index(tag)))
+        self._flush()
+        raise Halt(message, step=tag.step, reason=cause.reason if isinstance(cause, Halt) else "policy") from cause
+
+
+def _reason(decision: Decision) -> str:
+    worst = max(decision.alerts, key=lambda e: e.level, default=None)
+    return str(worst.kind) if worst is not None else "policy"
+
+
+def _batch_index(tag: StepTag) -> int | None:
+    # `batch` is the recovery layer's BatchRef, or None without a restorable loader.
+    return None if tag.batch is None else tag.batch.batch_index

@@ -1,0 +1,147 @@
+"""What a watcher tells the world: events, counters and per-step metrics, on one clock.
+
+Two clocks exist and only one is ever shown. The *training step* (``ew.step``) is where the model
+is: a rewind sets it back to the restored snapshot's. The *run's clock* never goes back: trackers
+drop or overlay rows whose step is not new, and people read one timeline. Every event and metric
+row, and every step a message names, is on the run's clock; :class:`RunClock` converts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from earlywarn.detect import Observation
+from earlywarn.events import ALERT_KINDS, Event, Kind
+from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics
+from earlywarn.sinks import Sink
+from earlywarn.sinks.base import takes_metrics
+
+COUNTERS = ("steps", "skipped_steps", "repaired_steps", "rewinds", "checkpoints", "nonfinite_steps",
+            "alerts_info", "alerts_warning", "alerts_critical")
+
+_NO_METRICS: Mapping[str, float] = types.MappingProxyType({})  # a step's end, for sinks that take no metrics
+
+
+@dataclass
+class RunClock:
+    """The training step and the run's clock: ``run = step + offset``, ``offset`` the steps rewinds undid."""
+
+    step: int = 0
+    """The step the next ``optimizer.step()`` is (on the training trajectory)."""
+    offset: int = 0
+    """Steps that rewinds took back so far: the run's clock of training step ``s`` is ``s + offset``."""
+
+    def run(self, step: int) -> int:
+        return step + self.offset
+
+    def rewound(self, incident: int, resume: int) -> None:
+        """A rewind at training step ``incident`` resumes at ``resume``: the run's clock goes on
+        from the incident's."""
+        self.offset += incident + 1 - resume
+        self.step = resume
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "log_offset": self.offset}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.offset = int(state.get("log_offset", 0))
+
+
+class Telemetry:
+    """Events, counters and metric rows of one watcher, sent to its sinks. ``source``: the
+    watcher's name when a process has several (``None``: the only one)."""
+
+    def __init__(self, clock: RunClock, layer_names: Sequence[str], metrics: MetricsConfig, source: str | None):
+        self.clock = clock
+        self.layer_names = tuple(layer_names)
+        self.metrics_config = metrics
+        self.source = source
+        self.events: list[Event] = []
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.levels = StepLevels()  # alert_level of the row being built (see emit, log_metrics)
+        self.sinks: list[Sink] = []
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def emit(self, event: Event) -> None:
+        """Record and send one event; its ``step`` is on the run's clock."""
+        if self.source is not None and event.source is None:
+            event = dataclasses.replace(event, source=self.source)
+        self.events.append(event)
+        if event.kind in ALERT_KINDS:
+            self.count(f"alerts_{event.level}")
+        written = event.kind is Kind.CHECKPOINT and event.signal != "checkpoint_failed"
+        if written:  # periodic and on-warning alike: every checkpoint written counts
+            self.count("checkpoints")
+        # The step's alert_level is the worst of its events, whatever a rewind restores later.
+        self.levels.note(event.kind, event.level, event.step)
+        for sink in self.sinks:
+            safe_call(sink, "alert", event)
+        if written:
+            path = event.path or f"memory:{event.step}"
+            for sink in self.sinks:
+                safe_call(sink, "checkpoint", event.step, path, event.signal or "checkpoint")
+
+    def emit_trained(self, event: Event) -> None:
+        """An event whose ``step`` is a training step (recovery's): sent on the run's clock."""
+        if event.step >= 0 and self.clock.offset:
+            event = dataclasses.replace(event, step=self.clock.run(event.step))
+        self.emit(event)
+
+    def log_metrics(self, run_step: int, obs: Observation | None, score: float | None) -> None:
+        """The row of one step (``run_step``: the run's clock); ``obs`` None: a step with no statistics."""
+        level = self.levels.take()
+        if not any(takes_metrics(sink) for sink in self.sinks):
+            # no sink does anything with metrics (console only, say): build nothing; every sink
+            # still hears that the step is over (the console prints the step's incident then)
+            for sink in self.sinks:
+                safe_call(sink, "log_metrics", run_step, _NO_METRICS)
+            return
+        # Built on first read, so tracker sinks build it on their own thread, not this one.
+        metrics = StepMetrics(
+            run_step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
+            layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
+            score=None if obs is None else score, level=level, counters=self.counters, config=self.metrics_config,
+            user=None if obs is None else {k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
+        )
+        for sink in self.sinks:
+            safe_call(sink, "log_metrics", run_step, metrics)
+
+    def log_halted_row(self) -> None:
+        """A step a ``Halt`` ended never had its row logged: log it (level, counters) now."""
+        if self.levels.halted and self.levels.step is not None:
+            self.log_metrics(self.levels.step, None, None)
+
+    def flush(self, deadline: float) -> None:
+        import time
+
+        for sink in self.sinks:
+            safe_call(sink, "flush", max(deadline - time.monotonic(), 0.0))
+
+    def finish(self) -> None:
+        for sink in self.sinks:  # all at once: two trackers that are down cost one wait, not two
+            if hasattr(sink, "begin_finish"):
+                safe_call(sink, "begin_finish")
+        for sink in self.sinks:
+            try:
+                sink.finish()
+            except Exception as exc:  # a tracker must never kill training
+                warnings.warn(f"earlywarn: sink {sink.name!r} failed to finish: {redact(sink, exc)}")
+
+
+def safe_call(sink: Sink, method: str, *args: Any) -> None:
+    try:
+        getattr(sink, method)(*args)
+    except Exception as exc:  # a tracker must never kill training
+        warnings.warn(f"earlywarn: sink {sink.name!r}.{method} failed: {redact(sink, exc)}")
+
+
+def redact(sink: Sink, exc: BaseException) -> str:
+    """The error's text with the sink's credentials masked (URI user info, webhook tokens)."""
+    return getattr(sink, "redact", str)(str(exc))
