@@ -180,7 +180,7 @@ def test_tag_text_is_cut_at_a_word_and_the_tally_keeps_the_worst():
 def test_no_metrics_are_built_when_no_sink_takes_them(monkeypatch):
     torch = pytest.importorskip("torch")
     import earlywarn
-    import earlywarn.guard as guard
+    import earlywarn.guard.telemetry as guard
     from fixtures_models import MLP
 
     built = []

@@ -21,6 +21,7 @@ that clip between backward and step. ``detach()`` puts everything back as it was
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 import weakref
@@ -45,6 +46,7 @@ from earlywarn.recover import Recovery, RecoveryConfig
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
 _LIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()  # watchers attached now: a name when there are several
+_CREATED = itertools.count()  # the order watchers were made in (names are given in that order)
 
 
 class Watcher:
@@ -68,6 +70,7 @@ class Watcher:
             _warn_unskippable(self.policy.cfg)
         self.telemetry = Telemetry(RunClock(), layer_map.layer_names, config.metrics or MetricsConfig(),
                                    _name(config, model))
+        self._created = next(_CREATED)
         extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy,
                  "earlywarn_watcher": WatcherCheckpointState(self.telemetry), **(extra_state or {})}
         self.recovery = Recovery(
@@ -484,19 +487,25 @@ def _warn_unskippable(cfg: PolicyConfig) -> None:
 
 def _name(config: WatchConfig, model: torch.nn.Module) -> str | None:
     """The watcher's name: the configured one; else, once a second watcher exists in the process,
-    the model's class name (numbered when two share it); else none."""
-    if config.name is not None:
-        return config.name.strip()
-    live = [w for w in _LIVE if not w._detached]
-    if not live:
+    the model's class name (numbered when two share it), and the unnamed ones already attached
+    get theirs then too (their lines from then on say which they are); else none."""
+    live = sorted((w for w in _LIVE if not w._detached), key=lambda w: w._created)
+    if config.name is None and not live:
         return None
-    taken = {w.name for w in live}
-    base = type(model).__name__
-    name, n = base, 1
-    while name in taken:
-        n += 1
-        name = f"{base}#{n}"
-    return name
+    taken: set[str] = {w.name for w in live if w.name is not None}
+
+    def unique(base: str) -> str:
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}#{n}"
+        taken.add(name)
+        return name
+
+    for w in live:
+        if w.name is None:
+            w.telemetry.source = unique(type(w.model).__name__)
+    return config.name.strip() if config.name is not None else unique(type(model).__name__)
 
 
 def _input_fingerprint(recovery: Recovery) -> Callable[..., None]:

@@ -74,7 +74,8 @@ def _action_text(e: Event, previous: Sequence[Event]) -> str:
 
 
 def incident_line(step: int, events: Sequence[Event]) -> str:
-    """One line for the events of one step: ``[earlywarn LEVEL] step N: what (where). Done: ...``."""
+    """One line for the events of one step: ``[earlywarn LEVEL] step N: what (where). Done: ...``
+    (``[earlywarn LEVEL name]`` when the watcher has a name: a process with several)."""
     level = max(e.level for e in events)
     alerts = [e for e in events if e.kind in ALERT_KINDS]
     actions = [e for e in events if e.kind not in ALERT_KINDS]
@@ -89,7 +90,9 @@ def incident_line(step: int, events: Sequence[Event]) -> str:
     done = "; ".join(_action_text(a, actions[:i]) for i, a in enumerate(actions))
     body = f"{what}. Done: {done}" if (what and done) else (what or done)
     where = f"step {step}: " if step >= 0 else ""  # sink status events belong to no step
-    return f"[earlywarn {level.name}] {where}{_fewer_samples(body)}"
+    source = next((e.source for e in events if e.source), None)  # which watcher, when a process has several
+    who = f"{level.name} {source}" if source else level.name
+    return f"[earlywarn {who}] {where}{_fewer_samples(body)}"
 
 
 _live: "weakref.WeakSet[ConsoleSink]" = weakref.WeakSet()
