@@ -24,7 +24,7 @@ from typing import Mapping
 
 import numpy as np
 
-from earlywarn.analyze.readers import AnalyzeError, RawRun
+from earlywarn.analyze.rawrun import AnalyzeError, RawRun
 
 # canonical name -> keys tried in order when the key map does not name one
 CANDIDATES: dict[str, tuple[str, ...]] = {
