@@ -379,9 +379,9 @@ def _extras(raw: RawRun, chosen: Mapping[str, str]) -> dict[str, tuple[np.ndarra
     return extras
 
 
-def _logged_skips(raw: RawRun, chosen: Mapping[str, str], seg: _Segments, core: dict[str, tuple[np.ndarray, np.ndarray]],
-                  extras: dict[str, tuple[np.ndarray, np.ndarray]], counts: dict[str, int],
-                  notes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _logged_skips(raw: RawRun, chosen: Mapping[str, str], seg: _Segments,
+                  core: dict[str, tuple[np.ndarray, np.ndarray]], extras: dict[str, tuple[np.ndarray, np.ndarray]],
+                  counts: dict[str, int], notes: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(skipped, overflow): the rows the log itself shows as skipped (its skip counter, a rise of a
     cumulative one, NaN iterations, a loss-scale drop over one step) and the loss-scale drops. NaN
     iterations also make the row's grad norm non-finite (in place)."""
