@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from earlywarn.analyze.readers import AnalyzeError, RawRun, merge_adjacent_same_step
+from earlywarn.analyze.rawrun import AnalyzeError, RawRun, merge_adjacent_same_step
 from earlywarn.events import Event
 from earlywarn.sinks.base import strip_userinfo
 

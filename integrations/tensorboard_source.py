@@ -18,7 +18,7 @@ import struct
 from collections import defaultdict
 from typing import Any, Mapping
 
-from earlywarn.analyze.readers import AnalyzeError, RawRun, columns_from_rows, merge_adjacent_same_step
+from earlywarn.analyze.rawrun import AnalyzeError, RawRun, columns_from_rows, merge_adjacent_same_step
 
 
 def _one_line(e: BaseException) -> str:

@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping
 
-from earlywarn.analyze.readers import AnalyzeError, RawRun, rows_to_runs
+from earlywarn.analyze.rawrun import AnalyzeError, RawRun, rows_to_runs
 from earlywarn.events import Event, Kind, Level
 
 # the step a row belongs to: earlywarn's own step metric first (W&B's _step counts log calls)

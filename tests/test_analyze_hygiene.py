@@ -112,7 +112,7 @@ def test_repeated_step_rows_are_merged_unless_they_disagree():
     loss = [2.0, 2.0, np.nan, 2.0, 2.5]
     rr = raw(steps, loss=loss, eval_loss=[np.nan, np.nan, 1.5, np.nan, np.nan])
     rr.missing = {"loss": np.array([0, 0, 1, 0, 0], bool), "eval_loss": np.array([1, 1, 0, 1, 1], bool)}
-    from earlywarn.analyze.readers import _finish
+    from earlywarn.analyze.rawrun import finish_run as _finish
 
     merged = _finish(rr)
     # step 1: a train row and an eval row -> one row; step 2 twice with different losses -> two rows

@@ -76,7 +76,7 @@ def test_csv_fast_readers_agree_with_the_careful_reader(tmp_path, monkeypatch, n
     # pyarrow (when installed) and numpy read what they accept exactly as the careful reader
     # would (numbers, missing cells, dropped rows, notes), and leave the rest to it
     pytest.importorskip("pyarrow")
-    from earlywarn.analyze import readers
+    from earlywarn.analyze import csv_reader as readers
 
     path = tmp_path / (name + (".tsv" if name == "tsv" else ".csv"))
     path.write_text(_CSV_BODIES[name], encoding="utf-8", newline="")

@@ -376,3 +376,65 @@ def test_sigterm_flushes_the_buffer_before_exit(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[-1] == {"finished": True}
     assert [r["step"] for r in lines[:-1]] == list(range(50))  # all buffered steps arrived
+
+
+CHAINED_SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from earlywarn.sinks.base import Sink
+    from earlywarn.sinks.background import BackgroundSink
+    from earlywarn.sinks.sigterm import install_sigterm_exit, signal_exit_code
+
+    mode, path = sys.argv[1], sys.argv[2]
+    calls = []
+
+    def launcher_handler(signum, frame):  # installed before earlywarn, e.g. by a launcher
+        calls.append(signum)
+        if mode == "raises":
+            raise SystemExit(99)
+
+    if mode == "ignored":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, launcher_handler)
+
+    class File(Sink):
+        name = "file"
+        def start(self): self.fh = open(path, "w")
+        def log_metrics(self, step, metrics): self.fh.write(json.dumps({"step": step}) + "\\n")
+        def finish(self):
+            self.fh.write(json.dumps({"finished": True, "killed": signal_exit_code()}) + "\\n"); self.fh.close()
+
+    sinks = [BackgroundSink(File()), BackgroundSink(File())]  # two sinks: one handler, installed once
+    sinks[0].start()
+    print("installed again:", install_sigterm_exit(), flush=True)
+    for step in range(20):
+        sinks[0].log_metrics(step, {"earlywarn/x": 1.0})
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("went on; launcher handler calls:", len(calls), "; exit code seen:", signal_exit_code(), flush=True)
+    sinks[0].finish()
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["raises", "returns", "ignored"])
+def test_sigterm_handler_chains_the_one_installed_before(tmp_path, mode):
+    # A launcher's or framework's SIGTERM handler keeps its say: earlywarn's runs after it, once.
+    # If it ends the process, buffered records are still delivered and the run is marked killed;
+    # if it returns (it handles SIGTERM its own way), training goes on; an ignored SIGTERM stays ignored.
+    out = tmp_path / "out.jsonl"
+    script = tmp_path / "job.py"
+    script.write_text(CHAINED_SIGTERM_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), mode, str(out)], capture_output=True, text=True, timeout=60)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in lines[:-1]] == list(range(20))
+    if mode == "raises":
+        assert proc.returncode == 99, proc.stderr
+        assert "went on" not in proc.stdout
+        assert lines[-1] == {"finished": True, "killed": 143}
+    else:
+        assert proc.returncode == 0, proc.stderr
+        calls = 1 if mode == "returns" else 0
+        assert f"went on; launcher handler calls: {calls} ; exit code seen: None" in proc.stdout
+        assert lines[-1] == {"finished": True, "killed": None}
+    assert f"installed again: {mode != 'ignored'}" in proc.stdout

@@ -188,7 +188,7 @@ def test_unknown_run_id_is_dropped_by_build_sinks(mlflow_sqlite_uri, caplog):
 
 
 def test_run_ended_by_sigterm_is_marked_killed(mlflow_sqlite_uri, monkeypatch):
-    import earlywarn.sinks.background as background
+    import earlywarn.sinks.sigterm as background
 
     sink = MlflowSink(tracking_uri=mlflow_sqlite_uri, start_timeout=60)
     sink.start()

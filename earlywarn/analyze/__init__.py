@@ -18,7 +18,8 @@ import time
 from typing import Any, Mapping
 
 from earlywarn.analyze.hygiene import check_key_map, clean
-from earlywarn.analyze.readers import SOURCE_FORMS, AnalyzeError, RawRun, read_source
+from earlywarn.analyze.rawrun import AnalyzeError, RawRun
+from earlywarn.analyze.readers import SOURCE_FORMS, read_source
 from earlywarn.analyze.report import Incident, Report, RunReport, build_run_report, plot, render_text
 from earlywarn.analyze.replay import replay
 

@@ -24,7 +24,7 @@ from typing import Mapping
 
 import numpy as np
 
-from earlywarn.analyze.readers import AnalyzeError, RawRun
+from earlywarn.analyze.rawrun import AnalyzeError, RawRun
 
 # canonical name -> keys tried in order when the key map does not name one
 CANDIDATES: dict[str, tuple[str, ...]] = {
@@ -175,224 +175,39 @@ def clean(raw: RawRun, key_map: Mapping[str, str] | None = None) -> CleanRun:
     notes = list(raw.notes)
     counts = {"rows": n, "stale": 0, "not_computed": 0, "blank_as_nonfinite": 0, "skipped": 0,
               "overflow": 0, "resumes": 0, "overlap_steps": 0, "gaps": 0}
-
-    def column(name: str) -> tuple[np.ndarray, np.ndarray]:
-        key = chosen.get(name)
-        if key is None:
-            return np.full(n, np.nan), np.zeros(n, dtype=bool)
-        return raw.columns[key].astype(np.float64, copy=True), ~raw.missing[key]
-
-    loss, loss_known = column("loss")
-    grad, grad_known = column("grad_norm")
     step = raw.step.astype(np.int64, copy=False)
+    seg = _segments(step, raw.resume_rows)
+    counts.update(resumes=len(seg.resumes), overlap_steps=int(sum(r.overlap for r in seg.resumes)),
+                  gaps=len(seg.gaps))
 
-    # --- segments: a step that does not move forward starts a new segment (a resume)
-    back = np.zeros(n, dtype=bool)
-    back[1:] = step[1:] <= step[:-1]
-    for r in raw.resume_rows:
-        if 0 < r < n:
-            back[r] = True
-    seg_starts = np.concatenate([[0], np.flatnonzero(back)]).astype(np.int64)
-    resumes = []
-    for r in np.flatnonzero(back).tolist():
-        prev_max = int(step[:r].max()) if r else int(step[r])
-        resumes.append(Resume(row=r, step=int(step[r]), previous_step=int(step[r - 1]) if r else prev_max))
-    counts["resumes"] = len(resumes)
-    counts["overlap_steps"] = int(sum(x.overlap for x in resumes))
-    contiguous = np.zeros(n, dtype=bool)  # row i continues row i-1 in the same segment
-    contiguous[1:] = ~back[1:]
-    diffs = np.zeros(n, dtype=np.int64)
-    diffs[1:] = step[1:] - step[:-1]
-    fwd = diffs[contiguous]
-    stride = int(np.median(fwd)) if fwd.size else 1
-    stride = max(stride, 1)
-    gap_rows = np.flatnonzero(contiguous & (diffs > max(2 * stride, stride + 1)))
-    gaps = [(int(step[i - 1]), int(step[i])) for i in gap_rows.tolist()]
-    counts["gaps"] = len(gaps)
+    # loss and grad norm: (values, known), changed in place by the phases below
+    loss, loss_known = _column(raw, chosen, "loss")
+    grad, grad_known = _column(raw, chosen, "grad_norm")
+    core = {"loss": (loss, loss_known), "grad_norm": (grad, grad_known)}
+    blanks = _dense_blanks(chosen, loss_known, grad_known) if raw.tabular else {}
+    for label, blank in blanks.items():  # non-finite for now; a skipped step makes it "not logged" below
+        values, known = core[label]
+        values[blank] = np.nan
+        known[blank] = True
+    layer_names, layers, layers_known = _layer_norms(raw, layer_keys, prefix, counts, notes)
+    _zeros_not_computed(core, chosen, counts, notes)
+    extras = _extras(raw, chosen)
 
-    # --- blanks in dense columns are non-finite values the logger could not write
-    blanks: dict[str, np.ndarray] = {}
-    if raw.tabular:
-        for val, known, other_known, label in ((loss, loss_known, grad_known.copy(), "loss"),
-                                               (grad, grad_known, loss_known.copy(), "grad_norm")):
-            if label not in chosen:
-                continue
-            m = int(other_known.sum())
-            if m >= 10 and known[other_known].mean() >= DENSE:
-                blank = other_known & ~known
-                if blank.any():
-                    val[blank] = np.nan
-                    known[blank] = True
-                    blanks[label] = blank
-
-    # --- per-layer norms
-    layer_names: tuple[str, ...] = ()
-    layers = None
-    layers_known = np.zeros(n, dtype=bool)
-    if layer_keys:
-        # (rows, layers) as the transpose of one contiguous row per layer: a plain copy per
-        # column instead of column_stack's strided writes
-        mat = np.array([raw.columns[k] for k in layer_keys], dtype=np.float64).T
-        if any(raw.missing[k].any() for k in layer_keys):
-            known_m = ~np.column_stack([raw.missing[k] for k in layer_keys])
-        else:
-            known_m = None  # the common case: a full matrix, no masks to carry
-        if known_m is not None and raw.tabular and len(layer_keys) > 1:
-            rows_ok = known_m.mean(axis=1) >= 0.5
-            if rows_ok.sum() >= 10:
-                dense_cols = known_m[rows_ok].mean(axis=0) >= DENSE
-                blank = rows_ok[:, None] & dense_cols[None, :] & ~known_m
-                k = int(blank.sum())
-                if k:
-                    mat[blank] = np.nan
-                    known_m[blank] = True
-                    counts["blank_as_nonfinite"] += k
-                    notes.append(f"{k} blank per-layer value(s) in densely logged layers were read as non-finite")
-        zero = mat == 0.0
-        if zero.any():
-            if known_m is None:
-                known_m = np.ones(mat.shape, dtype=bool)
-            zero &= known_m
-            counts["not_computed"] += int(zero.sum())
-            known_m &= ~zero
-        if known_m is None:
-            keep = np.ones(len(layer_keys), dtype=bool)
-        else:
-            keep = known_m.any(axis=0)
-        if not keep.all():
-            dropped = int((~keep).sum())
-            notes.append(f"{dropped} per-layer column(s) never hold a computed value and were left out")
-            mat = mat[:, keep]
-            known_m = known_m[:, keep]
-        names = [k[len(prefix):] for k, ok in zip(layer_keys, keep.tolist()) if ok]
-        if names:
-            layer_names = tuple(names)
-            if known_m is None:
-                layers_known = np.ones(n, dtype=bool)
-            else:
-                layers_known = known_m.any(axis=1)
-                partial = layers_known & ~known_m.all(axis=1)
-                if partial.any():
-                    # a layer not computed on a row that has others: carry its last value (forward,
-                    # then backward for the first rows) so the row keeps its per-layer information
-                    idx = np.where(known_m, np.arange(n)[:, None], -1)
-                    np.maximum.accumulate(idx, axis=0, out=idx)
-                    first = np.argmax(known_m, axis=0)
-                    idx = np.where(idx < 0, first[None, :], idx)
-                    filled = np.take_along_axis(mat, idx, axis=0)
-                    mat = np.where(known_m, mat, filled)
-            layers = mat
-
-    # --- "0.000" means not computed
-    for val, known, label in ((grad, grad_known, "grad_norm"), (loss, loss_known, "loss")):
-        z = known & (val == 0.0)
-        k = int(z.sum())
-        if k:
-            known[z] = False
-            counts["not_computed"] += k
-            notes.append(f"{k} {chosen.get(label, label)!r} value(s) of exactly 0 read as 'not computed'")
-
-    extras: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for name in EXTRAS:
-        if name in chosen:
-            v, kn = column(name)
-            kn = kn & np.isfinite(v)
-            if name == "loss_scale":
-                kn &= v != 0.0
-            extras[name] = (v, kn)
-    for key in raw.columns:  # the user's own signals: NaN / inf values kept (the detector warns on them)
-        for pre in USER_PREFIXES:
-            if key.startswith(pre) and len(key) > len(pre) and f"user/{key[len(pre):]}" not in extras:
-                extras[f"user/{key[len(pre):]}"] = (raw.columns[key].astype(np.float64, copy=True), ~raw.missing[key])
-                break
-
-    # --- skipped steps: loss-scale overflow, the log's own skip counter, stale repeats
-    skipped = np.zeros(n, dtype=bool)
-    counter, counter_known = column("skipped")
-    if "skipped" in chosen:
-        per_row = np.where(counter_known, np.nan_to_num(counter), 0.0)
-        step_span = np.where(contiguous, np.maximum(diffs, 1), stride)
-        skipped |= per_row >= np.maximum(step_span, 1)  # every iteration of the interval skipped
-    total, total_known = column("skipped_total")
-    if "skipped_total" in chosen:
-        # a cumulative counter (earlywarn's own earlywarn/skipped_steps): a rise is a skipped step
-        prev = np.full(n, np.nan)
-        last = np.nan
-        for i in np.flatnonzero(total_known).tolist():
-            prev[i] = last if contiguous[i] or i == 0 else np.nan
-            last = total[i]
-        skipped |= total_known & np.isfinite(prev) & (total > prev)
-    nan_it, nan_known = column("nan_iters")
-    if "nan_iters" in chosen:
-        had_nan = nan_known & (np.nan_to_num(nan_it) > 0)
-        if had_nan.any():
-            grad[had_nan] = np.nan
-            grad_known[had_nan] = True
-            skipped |= had_nan
-            notes.append(f"{int(had_nan.sum())} row(s) report NaN iterations: read as non-finite gradients")
-    overflow = np.zeros(n, dtype=bool)
-    if "loss_scale" in extras:
-        ls, ls_known = extras["loss_scale"]
-        prev_ok = np.zeros(n, dtype=bool)
-        prev_ok[1:] = ls_known[1:] & ls_known[:-1] & contiguous[1:]
-        drop = np.zeros(n, dtype=bool)
-        drop[1:] = prev_ok[1:] & (ls[1:] < ls[:-1])
-        overflow = drop
-        counts["overflow"] = int(drop.sum())
-        skipped |= drop & (diffs == 1)
-
-    g_ok = grad_known & np.isfinite(grad)
-    pair = np.zeros(n, dtype=bool)
-    pair[1:] = g_ok[1:] & g_ok[:-1] & contiguous[1:]
-    rep = np.zeros(n, dtype=bool)
-    rep[1:] = pair[1:] & (grad[1:] == grad[:-1])
-    # too few pairs to tell a rounding logger from real repeats: trust the digits alone
-    repeat_rate = rep.sum() / pair.sum() if pair.sum() >= 50 else 0.0
-    if rep.any():
-        evidence = overflow | skipped  # the log itself says the step did not apply
-        stale = np.zeros(n, dtype=bool)
-        for i in np.flatnonzero(rep).tolist():
-            if evidence[i] or (repeat_rate < STALE_MAX_REPEAT_RATE and _sig_digits(grad[i]) >= STALE_SIGNIFICANT_DIGITS):
-                stale[i] = True
-        k = int(stale.sum())
-        if k:
-            counts["stale"] = k
-            grad_known[stale] = False
-            skipped |= stale
-            notes.append(f"{k} grad-norm value(s) repeat the previous step exactly (stale, a skipped step)")
-    if layers is not None and layers.shape[1] >= 2:
-        # every layer equal to the previous row: a stale row (checked on the first column first)
-        lrep = np.zeros(n, dtype=bool)
-        lrep[1:] = layers_known[1:] & layers_known[:-1] & contiguous[1:] & (layers[1:, 0] == layers[:-1, 0])
-        cand = np.flatnonzero(lrep)
-        if cand.size:
-            same = np.all(layers[cand] == layers[cand - 1], axis=1) & np.all(np.isfinite(layers[cand]), axis=1)
-            lrep[cand] = same
-        if lrep.any():
-            layers_known = layers_known & ~lrep
-            skipped |= lrep
-            counts["stale"] += int(lrep.sum())
-    # a blank on a step the log shows as skipped is "not logged" (Megatron prints no loss for
-    # skipped iterations), not a non-finite value
-    for label, blank in blanks.items():
-        val, known = (loss, loss_known) if label == "loss" else (grad, grad_known)
-        not_nf = blank & skipped
-        known[not_nf] = False
-        k = int((blank & ~skipped).sum())
-        if k:
-            counts["blank_as_nonfinite"] += k
-            notes.append(f"{k} blank {chosen[label]!r} value(s) in a column logged on every step were read as non-finite")
+    skipped, overflow = _logged_skips(raw, chosen, seg, core, extras, counts, notes)
+    stale = _stale_grad_norms(grad, grad_known, seg.contiguous, evidence=overflow | skipped)
+    if stale.any():
+        counts["stale"] = int(stale.sum())
+        grad_known[stale] = False
+        skipped |= stale
+        notes.append(f"{counts['stale']} grad-norm value(s) repeat the previous step exactly (stale, a skipped step)")
+    stale_layers = _stale_layer_rows(layers, layers_known, seg.contiguous)
+    if stale_layers.any():
+        layers_known = layers_known & ~stale_layers
+        skipped |= stale_layers
+        counts["stale"] += int(stale_layers.sum())
+    _settle_blanks(blanks, core, skipped, chosen, counts, notes)
     counts["skipped"] = int(skipped.sum())
-    if counts["overflow"]:
-        notes.append(f"{counts['overflow']} loss-scale drop(s) (fp16 overflow)")
-    if resumes:
-        notes.append(
-            f"{len(resumes)} resume(s): " + ", ".join(f"at {r.step} after {r.previous_step}" for r in resumes[:5])
-            + (" ..." if len(resumes) > 5 else "")
-        )
-    if gaps:
-        notes.append(f"{len(gaps)} gap(s) in the logged steps (stride {stride}), largest "
-                     f"{max(b - a for a, b in gaps)} steps")
+    notes += _summary_notes(counts, seg)
     if not (loss_known.any() or grad_known.any() or layers_known.any()):
         raise AnalyzeError(f"{raw.label}: no usable loss or grad-norm value in {n} row(s) (empty run)")
 
@@ -402,9 +217,269 @@ def clean(raw: RawRun, key_map: Mapping[str, str] | None = None) -> CleanRun:
     return CleanRun(
         raw=raw, step=step, loss=loss, loss_known=loss_known, grad_norm=grad, grad_known=grad_known,
         layer_names=layer_names, layers=layers, layers_known=layers_known, skipped=skipped, extras=extras,
-        resumes=resumes, segment_starts=seg_starts, stride=stride, gaps=gaps, counts=counts, notes=notes,
+        resumes=seg.resumes, segment_starts=seg.starts, stride=seg.stride, gaps=seg.gaps, counts=counts, notes=notes,
         keys=keys,
     )
+
+
+# The phases of clean(). Those given ``counts`` and ``notes`` add what they found to them.
+
+
+@dataclass
+class _Segments:
+    """The run cut where its step goes back or repeats (a resume), and how steps advance within."""
+
+    starts: np.ndarray
+    """Row index where each segment starts (0 first)."""
+    resumes: list[Resume]
+    contiguous: np.ndarray
+    """Row i continues row i-1 in the same segment."""
+    diffs: np.ndarray
+    """``step[i] - step[i-1]`` (0 for the first row)."""
+    stride: int
+    """The usual step difference within a segment (the median, at least 1)."""
+    gaps: list[tuple[int, int]]
+    """(step before, step after) where the steps jump by more than twice the stride."""
+
+
+def _segments(step: np.ndarray, resume_rows: list[int]) -> _Segments:
+    n = len(step)
+    back = np.zeros(n, dtype=bool)  # a step that does not move forward starts a new segment
+    back[1:] = step[1:] <= step[:-1]
+    for r in resume_rows:
+        if 0 < r < n:
+            back[r] = True
+    starts = np.concatenate([[0], np.flatnonzero(back)]).astype(np.int64)
+    resumes = [Resume(row=r, step=int(step[r]), previous_step=int(step[r - 1])) for r in np.flatnonzero(back).tolist()]
+    contiguous = np.zeros(n, dtype=bool)
+    contiguous[1:] = ~back[1:]
+    diffs = np.zeros(n, dtype=np.int64)
+    diffs[1:] = step[1:] - step[:-1]
+    fwd = diffs[contiguous]
+    stride = max(int(np.median(fwd)) if fwd.size else 1, 1)
+    gap_rows = np.flatnonzero(contiguous & (diffs > max(2 * stride, stride + 1)))
+    gaps = [(int(step[i - 1]), int(step[i])) for i in gap_rows.tolist()]
+    return _Segments(starts, resumes, contiguous, diffs, stride, gaps)
+
+
+def _column(raw: RawRun, chosen: Mapping[str, str], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, known) of the canonical column ``name``, a copy; all unknown when the run has none."""
+    key = chosen.get(name)
+    if key is None:
+        return np.full(len(raw), np.nan), np.zeros(len(raw), dtype=bool)
+    return raw.columns[key].astype(np.float64, copy=True), ~raw.missing[key]
+
+
+def _dense_blanks(chosen: Mapping[str, str], loss_known: np.ndarray, grad_known: np.ndarray) -> dict[str, np.ndarray]:
+    """Per core signal, the rows where it is blank although the other signal was logged, when it is
+    logged on nearly every such row (``DENSE``): values the logger could not write."""
+    blanks = {}
+    for label, known, other in (("loss", loss_known, grad_known), ("grad_norm", grad_known, loss_known)):
+        if label in chosen and int(other.sum()) >= 10 and known[other].mean() >= DENSE:
+            blank = other & ~known
+            if blank.any():
+                blanks[label] = blank
+    return blanks
+
+
+def _layer_norms(raw: RawRun, layer_keys: list[str], prefix: str | None, counts: dict[str, int],
+                 notes: list[str]) -> tuple[tuple[str, ...], np.ndarray | None, np.ndarray]:
+    """(layer names, (rows x layers) norms or None, rows that carry them). A blank in a densely
+    logged layer is non-finite, an exact 0 "not computed", a layer never computed is left out and
+    a layer missing from a row that has others carries its last value."""
+    n = len(raw)
+    if not layer_keys:
+        return (), None, np.zeros(n, dtype=bool)
+    # (rows, layers) as the transpose of one contiguous row per layer: a plain copy per
+    # column instead of column_stack's strided writes
+    mat = np.array([raw.columns[k] for k in layer_keys], dtype=np.float64).T
+    known_m = None  # the common case: a full matrix, no masks to carry
+    if any(raw.missing[k].any() for k in layer_keys):
+        known_m = ~np.column_stack([raw.missing[k] for k in layer_keys])
+        if raw.tabular and len(layer_keys) > 1:
+            _layer_blanks_as_nonfinite(mat, known_m, counts, notes)
+    zero = mat == 0.0
+    if zero.any():
+        if known_m is None:
+            known_m = np.ones(mat.shape, dtype=bool)
+        zero &= known_m
+        counts["not_computed"] += int(zero.sum())
+        known_m &= ~zero
+    keep = np.ones(len(layer_keys), dtype=bool) if known_m is None else known_m.any(axis=0)
+    if not keep.all():
+        notes.append(f"{int((~keep).sum())} per-layer column(s) never hold a computed value and were left out")
+        mat = mat[:, keep]
+        known_m = known_m[:, keep]
+    names = tuple(k[len(prefix):] for k, ok in zip(layer_keys, keep.tolist()) if ok)
+    if not names:
+        return (), None, np.zeros(n, dtype=bool)
+    if known_m is None:
+        return names, mat, np.ones(n, dtype=bool)
+    rows_known = known_m.any(axis=1)
+    if (rows_known & ~known_m.all(axis=1)).any():
+        mat = _carry_layer_values(mat, known_m)
+    return names, mat, rows_known
+
+
+def _layer_blanks_as_nonfinite(mat: np.ndarray, known_m: np.ndarray, counts: dict[str, int], notes: list[str]) -> None:
+    """A blank in a layer logged on nearly every row that logged most layers: NaN, known (in place)."""
+    rows_ok = known_m.mean(axis=1) >= 0.5
+    if rows_ok.sum() < 10:
+        return
+    dense_cols = known_m[rows_ok].mean(axis=0) >= DENSE
+    blank = rows_ok[:, None] & dense_cols[None, :] & ~known_m
+    k = int(blank.sum())
+    if k:
+        mat[blank] = np.nan
+        known_m[blank] = True
+        counts["blank_as_nonfinite"] += k
+        notes.append(f"{k} blank per-layer value(s) in densely logged layers were read as non-finite")
+
+
+def _carry_layer_values(mat: np.ndarray, known_m: np.ndarray) -> np.ndarray:
+    """A layer not computed on a row that has others carries its last value (forward, then backward
+    for the first rows), so the row keeps its per-layer information."""
+    idx = np.where(known_m, np.arange(mat.shape[0])[:, None], -1)
+    np.maximum.accumulate(idx, axis=0, out=idx)
+    first = np.argmax(known_m, axis=0)
+    idx = np.where(idx < 0, first[None, :], idx)
+    filled = np.take_along_axis(mat, idx, axis=0)
+    return np.where(known_m, mat, filled)
+
+
+def _zeros_not_computed(core: dict[str, tuple[np.ndarray, np.ndarray]], chosen: Mapping[str, str],
+                        counts: dict[str, int], notes: list[str]) -> None:
+    """A loss or grad norm of exactly 0 means "not computed": unknown (in place)."""
+    for label in ("grad_norm", "loss"):
+        values, known = core[label]
+        z = known & (values == 0.0)
+        k = int(z.sum())
+        if k:
+            known[z] = False
+            counts["not_computed"] += k
+            notes.append(f"{k} {chosen.get(label, label)!r} value(s) of exactly 0 read as 'not computed'")
+
+
+def _extras(raw: RawRun, chosen: Mapping[str, str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The other signals (``EXTRAS``, finite values only; a loss scale of 0 is unknown) and the
+    user's own (``user/<name>``: NaN / inf kept, the detector warns on them): name -> (values, known)."""
+    extras: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in EXTRAS:
+        if name in chosen:
+            v, kn = _column(raw, chosen, name)
+            kn = kn & np.isfinite(v)
+            if name == "loss_scale":
+                kn &= v != 0.0
+            extras[name] = (v, kn)
+    for key in raw.columns:
+        for pre in USER_PREFIXES:
+            if key.startswith(pre) and len(key) > len(pre) and f"user/{key[len(pre):]}" not in extras:
+                extras[f"user/{key[len(pre):]}"] = (raw.columns[key].astype(np.float64, copy=True), ~raw.missing[key])
+                break
+    return extras
+
+
+def _logged_skips(raw: RawRun, chosen: Mapping[str, str], seg: _Segments,
+                  core: dict[str, tuple[np.ndarray, np.ndarray]], extras: dict[str, tuple[np.ndarray, np.ndarray]],
+                  counts: dict[str, int], notes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(skipped, overflow): the rows the log itself shows as skipped (its skip counter, a rise of a
+    cumulative one, NaN iterations, a loss-scale drop over one step) and the loss-scale drops. NaN
+    iterations also make the row's grad norm non-finite (in place)."""
+    n = len(raw)
+    skipped = np.zeros(n, dtype=bool)
+    if "skipped" in chosen:
+        counter, counter_known = _column(raw, chosen, "skipped")
+        per_row = np.where(counter_known, np.nan_to_num(counter), 0.0)
+        step_span = np.where(seg.contiguous, np.maximum(seg.diffs, 1), seg.stride)
+        skipped |= per_row >= np.maximum(step_span, 1)  # every iteration of the interval skipped
+    if "skipped_total" in chosen:
+        # a cumulative counter (earlywarn's own earlywarn/skipped_steps): a rise is a skipped step
+        total, total_known = _column(raw, chosen, "skipped_total")
+        prev = np.full(n, np.nan)
+        last = np.nan
+        for i in np.flatnonzero(total_known).tolist():
+            prev[i] = last if seg.contiguous[i] or i == 0 else np.nan
+            last = total[i]
+        skipped |= total_known & np.isfinite(prev) & (total > prev)
+    if "nan_iters" in chosen:
+        nan_it, nan_known = _column(raw, chosen, "nan_iters")
+        had_nan = nan_known & (np.nan_to_num(nan_it) > 0)
+        if had_nan.any():
+            grad, grad_known = core["grad_norm"]
+            grad[had_nan] = np.nan
+            grad_known[had_nan] = True
+            skipped |= had_nan
+            notes.append(f"{int(had_nan.sum())} row(s) report NaN iterations: read as non-finite gradients")
+    overflow = np.zeros(n, dtype=bool)
+    if "loss_scale" in extras:
+        ls, ls_known = extras["loss_scale"]
+        prev_ok = np.zeros(n, dtype=bool)
+        prev_ok[1:] = ls_known[1:] & ls_known[:-1] & seg.contiguous[1:]
+        overflow[1:] = prev_ok[1:] & (ls[1:] < ls[:-1])
+        counts["overflow"] = int(overflow.sum())
+        skipped |= overflow & (seg.diffs == 1)
+    return skipped, overflow
+
+
+def _stale_grad_norms(grad: np.ndarray, grad_known: np.ndarray, contiguous: np.ndarray, *,
+                      evidence: np.ndarray) -> np.ndarray:
+    """Rows whose grad norm repeats the previous row's exactly and is stale: the log says the step
+    did not apply (``evidence``), or the value has many digits in a run where repeats are rare."""
+    n = len(grad)
+    g_ok = grad_known & np.isfinite(grad)
+    pair = np.zeros(n, dtype=bool)
+    pair[1:] = g_ok[1:] & g_ok[:-1] & contiguous[1:]
+    rep = np.zeros(n, dtype=bool)
+    rep[1:] = pair[1:] & (grad[1:] == grad[:-1])
+    # too few pairs to tell a rounding logger from real repeats: trust the digits alone
+    repeat_rate = rep.sum() / pair.sum() if pair.sum() >= 50 else 0.0
+    stale = np.zeros(n, dtype=bool)
+    for i in np.flatnonzero(rep).tolist():
+        if evidence[i] or (repeat_rate < STALE_MAX_REPEAT_RATE and _sig_digits(grad[i]) >= STALE_SIGNIFICANT_DIGITS):
+            stale[i] = True
+    return stale
+
+
+def _stale_layer_rows(layers: np.ndarray | None, layers_known: np.ndarray, contiguous: np.ndarray) -> np.ndarray:
+    """Rows where every layer (two or more) equals the previous row's: stale rows."""
+    lrep = np.zeros(len(layers_known), dtype=bool)
+    if layers is None or layers.shape[1] < 2:
+        return lrep
+    # checked on the first column first
+    lrep[1:] = layers_known[1:] & layers_known[:-1] & contiguous[1:] & (layers[1:, 0] == layers[:-1, 0])
+    cand = np.flatnonzero(lrep)
+    if cand.size:
+        same = np.all(layers[cand] == layers[cand - 1], axis=1) & np.all(np.isfinite(layers[cand]), axis=1)
+        lrep[cand] = same
+    return lrep
+
+
+def _settle_blanks(blanks: dict[str, np.ndarray], core: dict[str, tuple[np.ndarray, np.ndarray]],
+                   skipped: np.ndarray, chosen: Mapping[str, str], counts: dict[str, int], notes: list[str]) -> None:
+    """A blank on a step the log shows as skipped is "not logged" (Megatron prints no loss for
+    skipped iterations), not a non-finite value: unknown again (in place)."""
+    for label, blank in blanks.items():
+        _, known = core[label]
+        known[blank & skipped] = False
+        k = int((blank & ~skipped).sum())
+        if k:
+            counts["blank_as_nonfinite"] += k
+            notes.append(f"{k} blank {chosen[label]!r} value(s) in a column logged on every step were read as non-finite")
+
+
+def _summary_notes(counts: dict[str, int], seg: _Segments) -> list[str]:
+    notes = []
+    if counts["overflow"]:
+        notes.append(f"{counts['overflow']} loss-scale drop(s) (fp16 overflow)")
+    if seg.resumes:
+        notes.append(
+            f"{len(seg.resumes)} resume(s): " + ", ".join(f"at {r.step} after {r.previous_step}" for r in seg.resumes[:5])
+            + (" ..." if len(seg.resumes) > 5 else "")
+        )
+    if seg.gaps:
+        notes.append(f"{len(seg.gaps)} gap(s) in the logged steps (stride {seg.stride}), largest "
+                     f"{max(b - a for a, b in seg.gaps)} steps")
+    return notes
 
 
 def typical(values: np.ndarray, known: np.ndarray, skipped: np.ndarray | None = None) -> float | None:

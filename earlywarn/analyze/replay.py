@@ -31,7 +31,7 @@ class Replay:
 
 
 def _make_detector(cfg: Any, layer_names: tuple[str, ...], baseline: Mapping[str, float] | None):
-    from earlywarn.analyze.readers import AnalyzeError
+    from earlywarn.analyze.rawrun import AnalyzeError
     from earlywarn.detect import StreamingDetector
 
     base = None

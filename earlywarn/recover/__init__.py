@@ -1,19 +1,11 @@
 """Recovery: repair poisoned state, clean snapshots and atomic checkpoints, PaLM-style rewind and
 batch skip with an exact data position, quarantine and blame (torch)."""
 
+from .batches import BatchFingerprints, BatchRef, DataPosition
 from .checkpoint import CheckpointInfo, CheckpointManager, load_checkpoint
-from .data import (
-    BatchFingerprints,
-    BatchRef,
-    DataPosition,
-    DataPositionAdapter,
-    ResumableLoader,
-    StatefulAdapter,
-    ResumableAdapter,
-    data_position_adapter,
-    dataset_fingerprint,
-)
+from .data import DataPositionAdapter, ResumableAdapter, StatefulAdapter, data_position_adapter
 from .errors import CheckpointError, DataPositionError, FingerprintMismatch, Halt
+from .loader import ResumableLoader, dataset_fingerprint
 from .loopstate import LoopState
 from .recovery import Blame, QuarantineRecord, Recovery, RecoveryConfig, RewindReport
 from .repair import FiniteBaseline, Flag, RepairAction, RepairReport, StateScan, repair_optimizer_state, scan_state

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .data import BatchRef
+from .batches import BatchRef
 
 
 def _name_batch(batch: BatchRef | None, step: int) -> tuple[str, bool]:

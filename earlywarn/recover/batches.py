@@ -1,0 +1,206 @@
+"""How a batch is named: its position in the data (:class:`DataPosition`), a reference to it
+(:class:`BatchRef`: position, sample indices, fingerprint) and, when no loader can name it, a
+fingerprint of its tensors computed on the device (:class:`BatchFingerprints`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ._state import local
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the *next* batch comes from: batch ``batch_index`` of epoch ``epoch`` (0-based)."""
+
+    epoch: int
+    batch_index: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_index": self.batch_index}
+
+    @classmethod
+    def parse(cls, value: "DataPosition | Mapping[str, int] | Sequence[int]") -> "DataPosition":
+        if isinstance(value, DataPosition):
+            return value
+        if isinstance(value, Mapping):
+            return cls(int(value["epoch"]), int(value["batch_index"]))
+        epoch, batch_index = value
+        return cls(int(epoch), int(batch_index))
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch} batch {self.batch_index}"
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """One batch, named by its position and (when known) the dataset indices it held.
+
+    ``epoch`` / ``batch_index`` are ``None`` when the loader cannot tell; ``sample_indices`` is
+    ``None`` for loaders that do not expose their sampler (torchdata). ``fingerprint``: a hash of
+    the batch's tensors (:class:`BatchFingerprints`), when earlywarn saw them."""
+
+    epoch: int | None
+    batch_index: int | None
+    sample_indices: tuple[int, ...] | None = None
+    fingerprint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """What is known, and nothing else (no keys holding ``None``)."""
+        d: dict[str, Any] = {}
+        if self.epoch is not None:
+            d["epoch"] = self.epoch
+        if self.batch_index is not None:
+            d["batch_index"] = self.batch_index
+        if self.sample_indices is not None:
+            d["sample_indices"] = list(self.sample_indices)
+        if self.fingerprint is not None:
+            d["fingerprint"] = self.fingerprint
+        return d
+
+    def describe(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        if self.batch_index is None:
+            return f"the batch with fingerprint {self.fingerprint}" if self.fingerprint else "an unidentified batch"
+        text = f"batch {self.batch_index}" + (f" of epoch {self.epoch}" if self.epoch is not None else "")
+        if self.sample_indices is not None:
+            ids = list(self.sample_indices)
+            shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+            text += f" (samples {shown})"
+        return text
+
+    def with_fingerprint(self, fingerprint: str | None) -> "BatchRef":
+        return self if fingerprint is None else dataclasses.replace(self, fingerprint=fingerprint)
+
+
+# ============================================================================================
+# Batch fingerprints: naming a batch no loader can name
+
+
+_FP_CAP = 1 << 20  # elements hashed per tensor; a larger one is hashed on an even stride
+_FP_MIX = 1_000_003
+_FP_MASK = (1 << 64) - 1
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensors(x: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif depth < 4 and isinstance(x, (list, tuple)):
+        for v in x:
+            _tensors(v, out, depth + 1)
+    elif depth < 4 and isinstance(x, Mapping):
+        for k in sorted(x, key=str):
+            _tensors(x[k], out, depth + 1)
+
+
+class BatchFingerprints:
+    """A fingerprint per step of the batch the step trained on, computed on the device.
+
+    Without a restorable loader nothing else identifies a batch (nanoGPT draws them with
+    ``torch.randint``). :meth:`observe` hashes the batch's tensors where they are -- their raw
+    bits times a fixed random vector, summed (int64, wrapping) -- with no host sync; micro-batches
+    of one step are folded together. :meth:`bind` attaches what was observed to the step that
+    consumes it; :meth:`read` moves the requested fingerprints to the host in one transfer (the
+    rare path: a skip, a quarantine). Shapes and dtypes are folded in on the host. A tensor of
+    more than 2**20 elements is hashed on an even stride of 2**20 of them.
+    """
+
+    def __init__(self, history: int = 4096) -> None:
+        self.history = history
+        self.explicit = False
+        """``report_batch`` was called: the automatic hook on the model's inputs stands down."""
+        self._pending: torch.Tensor | None = None
+        self._meta = 0
+        self._steps: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
+        self._weights: dict[Any, torch.Tensor] = {}
+
+    def _weight(self, device: torch.device, n: int) -> torch.Tensor:
+        w = self._weights.get(device)
+        if w is None or w.numel() < n:
+            size = 1 << max(10, (n - 1).bit_length())
+            g = torch.Generator().manual_seed(0x5EED)
+            w = (torch.randint(-(1 << 62), 1 << 62, (size,), generator=g, dtype=torch.int64) | 1).to(device)
+            self._weights[device] = w
+        return w[:n]
+
+    def _hash(self, t: torch.Tensor) -> torch.Tensor | None:
+        t = t.detach()
+        if t.layout != torch.strided or t.numel() == 0 or t.device.type == "meta":
+            return None
+        t = local(t)  # a DTensor: this rank's shard
+        flat = t.reshape(-1)
+        n = flat.numel()
+        if n > _FP_CAP:
+            flat = flat[:: -(-n // _FP_CAP)]
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        elif flat.is_floating_point():
+            flat = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
+        v = flat.to(torch.int64)
+        return (v * self._weight(v.device, v.numel())).sum()
+
+    def observe(self, batch: Any) -> None:
+        """Fold ``batch`` (a tensor, or lists / tuples / dicts of them) into this step's fingerprint."""
+        found: list[torch.Tensor] = []
+        _tensors(batch, found)
+        with torch.no_grad():
+            for t in found:
+                h = self._hash(t)
+                if h is None:
+                    continue
+                meta = f"{tuple(t.shape)}:{t.dtype}".encode()
+                self._meta = zlib.crc32(meta, self._meta)
+                if self._pending is None:
+                    self._pending = h
+                else:
+                    self._pending = self._pending.to(h.device) * _FP_MIX + h
+
+    def use_explicit(self) -> None:
+        """From now on only what ``observe`` is given explicitly counts (``report_batch``):
+        what the automatic hook folded in for the step in progress is dropped."""
+        self.explicit = True
+        self._pending, self._meta = None, 0
+
+    def bind(self, step: int) -> None:
+        """What was observed since the last bind is the batch of ``step``."""
+        if self._pending is None:
+            return
+        self._steps[int(step)] = (self._pending, self._meta)
+        self._steps.move_to_end(int(step))
+        self._pending, self._meta = None, 0
+        while len(self._steps) > self.history:
+            self._steps.popitem(last=False)
+
+    def has(self, step: int) -> bool:
+        return int(step) in self._steps
+
+    def read(self, steps: Sequence[int]) -> dict[int, str]:
+        """Fingerprints of ``steps`` (those known), as 16 hex digits; one host read."""
+        known = [int(s) for s in steps if int(s) in self._steps]
+        if not known:
+            return {}
+        vals = [self._steps[s][0] for s in known]
+        dev = vals[0].device
+        host = torch.stack([v.to(dev) for v in vals]).tolist()
+        return {s: f"{(int(v) ^ (self._steps[s][1] * 0x9E3779B97F4A7C15)) & _FP_MASK:016x}"
+                for s, v in zip(known, host)}
+
+    def drop_after(self, step: int) -> None:
+        """Forget the steps after ``step`` (a rewind abandoned them)."""
+        for s in [s for s in self._steps if s > step]:
+            del self._steps[s]
+
+    def clear(self) -> None:
+        self._steps.clear()
+        self._pending, self._meta = None, 0
