@@ -1,5 +1,6 @@
-"""The run's clock: one timeline for events and tracker rows, across rewinds, saves and resumes;
-and watchers that say which they are when a process has several."""
+"""The run's clock: one timeline for events and tracker rows, across rewinds, saves and resumes
+(a training step is on the clock of the segment of the trajectory it was trained in); and watchers
+that say which they are when a process has several."""
 
 from __future__ import annotations
 
@@ -9,12 +10,47 @@ import torch
 
 import earlywarn
 from earlywarn.events import Kind
+from earlywarn.guard.telemetry import RunClock
 from earlywarn.sinks import Sink
 from earlywarn.sinks.console import ConsoleSink
 
 torch.set_num_threads(1)
 
 
+# -- the clock ---------------------------------------------------------------------------------
+def test_a_training_step_is_on_the_run_clock_of_the_segment_it_was_trained_in():
+    clock = RunClock()
+    clock.step = 153
+    clock.rewound(152, 126)  # 152 -> state of 125: 126 is trained again at 153
+    assert (clock.step, clock.offset) == (126, 27)
+    assert [clock.run(s) for s in (0, 125, 126, 140)] == [0, 125, 153, 167]
+    clock.rewound(140, 131)  # 140 (run 167) -> state of 130 (run 157)
+    assert clock.segments == [(126, 27), (131, 37)]
+    assert [clock.run(s) for s in (125, 130, 131)] == [125, 157, 168]
+    clock.rewound(150, 101)  # back past both segments: they are trained again under the new offset
+    assert clock.segments == [(101, 87)] and [clock.run(s) for s in (100, 101)] == [100, 188]
+
+
+def test_the_clock_saves_its_segments_and_reads_the_old_form():
+    clock = RunClock()
+    clock.rewound(152, 126)
+    clock.rewound(140, 131)
+    saved = clock.state_dict()
+    assert saved == {"step": 131, "log_offset": 37, "segments": [[126, 27], [131, 37]]}
+    again = RunClock()
+    again.load_state_dict(saved)
+    assert again == clock
+    old = RunClock()
+    old.load_state_dict({"step": 80, "log_offset": 12})  # saved before segments existed
+    assert (old.step, old.offset, old.run(80), old.run(3)) == (80, 12, 92, 15)
+    old.load_state_dict({"step": 5})
+    assert (old.offset, old.run(5)) == (0, 5)
+    live = RunClock(step=10)
+    live.merge(saved)  # a checkpoint loaded into a live watcher: neither clock goes back
+    assert (live.step, live.segments) == (131, clock.segments)
+
+
+# -- runs --------------------------------------------------------------------------------------
 class Rows(Sink):
     """Records every metric row's step: a tracker drops or overlays a row whose step is not new."""
 
