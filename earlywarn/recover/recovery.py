@@ -642,9 +642,9 @@ class Recovery:
                                        "clean checkpoint with a lower learning rate, or set on_recurrence='lower_lr' to "
                                        f"rewind and go on at {cfg.recurrence_lr_factor:g}x the learning rate for "
                                        f"{cfg.recurrence_lr_steps} steps.", "recurrence")
-            if ep.rewinds >= cfg.max_rewinds:
-                raise self._halt(step, f"{diagnosis} Halting: {ep.rewinds} rewinds in this episode (max_rewinds="
-                                       f"{cfg.max_rewinds}), the last at {ep.lr_factor:g}x the learning rate, did not hold. "
+            if ep.rewinds >= cfg.max_rewinds_per_episode:
+                raise self._halt(step, f"{diagnosis} Halting: {ep.rewinds} rewinds in this episode (max_rewinds_per_episode="
+                                       f"{cfg.max_rewinds_per_episode}), the last at {ep.lr_factor:g}x the learning rate, did not hold. "
                                        "Resume from the last clean checkpoint with a lower learning rate.",
                                  "rewinds_exhausted")
         self._settle(block=True)  # a confirmed snapshot still in flight is a candidate too
@@ -730,7 +730,7 @@ class Recovery:
                + f"; {rng_txt}; training goes on at step {t_step + 1}")
         if diagnosis is not None:
             msg += (f". {diagnosis} Going on at {ep.lr_factor:g}x the learning rate for {cfg.recurrence_lr_steps} "
-                    f"steps (on_recurrence='lower_lr'), rewind {ep.rewinds}/{cfg.max_rewinds} of this episode")
+                    f"steps (on_recurrence='lower_lr'), rewind {ep.rewinds}/{cfg.max_rewinds_per_episode} of this episode")
         if blame_d and blame_d.get("message"):
             msg += f". {_capital(blame_d['message'])}"
         if pre.flags:
