@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .window import CleanWindow
+
 
 def _fmt_lr(lr: float | None) -> str:
     return "?" if lr is None else f"{lr:.3g}"
@@ -57,12 +59,14 @@ class Recurrence:
     """The open episode, the learning-rate history, and the lowered learning rate in force.
 
     ``factor`` / ``lr_steps``: ``RecoveryConfig.recurrence_lr_factor`` / ``recurrence_lr_steps``;
-    ``history``: steps of learning rate kept."""
+    ``history``: steps of learning rate kept; ``window``: when a rewind has held."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, factor: float, lr_steps: int, history: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, factor: float, lr_steps: int, history: int,
+                 window: CleanWindow) -> None:
         self.optimizer = optimizer
         self.factor = factor
         self.lr_steps = lr_steps
+        self.window = window
         self.episode: Episode | None = None
         self._lr: deque[tuple[int, float | None]] = deque(maxlen=history)  # (step, lr of group 0)
         self._cut: list[float] | None = None  # [factor, steps left]
@@ -74,7 +78,7 @@ class Recurrence:
         return 1.0 if self._cut is None else float(self._cut[0])
 
     # -- per step --------------------------------------------------------------------------------
-    def after_step(self, step: int, *, clean: bool, window: int) -> bool:
+    def after_step(self, step: int, *, clean: bool) -> bool:
         """Record the step's learning rate, count the lowered one down, close the episode once
         it held. Returns True when the lowered learning rate just ended."""
         groups = self.optimizer.param_groups
@@ -86,7 +90,7 @@ class Recurrence:
             if self._cut[1] <= 0:
                 self._cut, ended = None, True
         ep = self.episode
-        if ep is not None and clean and step >= ep.last_incident + window:
+        if ep is not None and clean and self.window.held(ep.last_incident, step):
             self.episode = None  # trained past the incident: the rewind held
         return ended
 
