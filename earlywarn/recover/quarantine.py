@@ -36,9 +36,10 @@ class Quarantine:
 
     def skipped(self, step: int, reason: str, ref: BatchRef | None) -> QuarantineRecord:
         """The batch of ``step`` (``ref``, when known) was skipped as bad: never trained."""
-        rec = QuarantineRecord(step, reason, None if ref is None else ref.epoch, None if ref is None else ref.batch_index,
-                               None if ref is None else ref.sample_indices, step,
-                               None if ref is None else ref.fingerprint)
+        if ref is None:
+            rec = QuarantineRecord(step, reason, None, None, None, step)
+        else:
+            rec = QuarantineRecord(step, reason, ref.epoch, ref.batch_index, ref.sample_indices, step, ref.fingerprint)
         self.add([rec])
         self._steps.add(step)
         return rec

@@ -20,6 +20,9 @@ The watcher drives it:
 Steps are the training trajectory's: after a rewind to the snapshot of step ``s`` the next
 step is ``s + 1`` again (the watcher's ``step`` goes back with it). Durations ("within
 ``clean_window`` steps") are counted on that trajectory: after a rewind, from ``s``.
+The steps its messages name are on the run's clock (``run_step``: the watcher's
+:class:`~earlywarn.guard.telemetry.RunClock`, which never goes back); its events carry training
+steps, which the watcher puts on that clock.
 
 The parts, each in its module: the copies and their cadence (:mod:`.snapshots`), the batch
 history and blame (:mod:`.history`), the quarantine (:mod:`.quarantine`), the clean window
@@ -69,7 +72,8 @@ class Recovery:
     ``extra_state`` whose state follows the *judgement* of a step, not its update (the watcher's
     detector and counters, which see a step late in async mode): a periodic snapshot copies them
     when its step is judged, everything else when it is taken. ``emit``: receives every event
-    (repair, checkpoint, rewind, quarantine, resume).
+    (repair, checkpoint, rewind, quarantine, resume). ``run_step``: a training step on the run's
+    clock, for the steps messages name (the watcher's ``RunClock.run``; default: unchanged).
     """
 
     def __init__(
@@ -85,10 +89,12 @@ class Recovery:
         keep_on_rewind: Iterable[str] = (),
         late_state: Iterable[str] = (),
         emit: Callable[[Event], None] = lambda e: None,
+        run_step: Callable[[int], int] = int,
     ) -> None:
         self.config = cfg = config if config is not None else RecoveryConfig()
         self.live = _live_state(model, optimizer, scheduler, scaler, extra_state, keep_on_rewind, late_state)
         self.emit = emit
+        self.run_step = run_step
         adapter = data_position_adapter(loader)
         self.data: DataPositionAdapter = adapter if adapter is not None else _Unrestorable(
             "no data loader was given (earlywarn.watch(..., loader=...)): pass an earlywarn.ResumableLoader "
@@ -101,11 +107,11 @@ class Recovery:
         self.history = BatchHistory(self.data, self.fingerprints, cfg.history)
         self.window = CleanWindow(cfg.clean_window)
         self.snapshots = SnapshotKeeper(cfg, self.live, self.data, self.history, self.baseline, rank=self._rank,
-                                        emit=emit, recovery_state=self.state_dict,
+                                        emit=emit, run_step=run_step, recovery_state=self.state_dict,
                                         on_poisoned=self._poisoned)
         self.quarantine_log = Quarantine(quarantine_path(cfg, checkpoint_dir(cfg, self._rank), self._rank))
         self.recurrence = Recurrence(optimizer, factor=cfg.recurrence_lr_factor, lr_steps=cfg.recurrence_lr_steps,
-                                     history=cfg.history, window=self.window)
+                                     history=cfg.history, window=self.window, run_step=run_step)
         self.rewinds = 0
         self.repairs = 0
 
@@ -209,8 +215,8 @@ class Recovery:
         is then recorded as not yet trained, and the snapshot is labelled ``step - 1``) or after
         ``after_step(step)`` / ``record_step(step)`` (labelled ``step``, or the last recorded step
         when that is later: the label is always the step of the state it holds). Returns the disk
-        path, or ``"memory:<step>"`` without a checkpoint directory, or ``None`` when snapshots
-        and checkpoints are off."""
+        path, or ``"memory:<step>"`` without a checkpoint directory (that step on the run's
+        clock), or ``None`` when snapshots and checkpoints are off."""
         return self.snapshots.checkpoint(step, reason)
 
     # -- blame and quarantine ------------------------------------------------------------------
@@ -235,7 +241,7 @@ class Recovery:
         ref = self.batch_at(step)
         rec = self.quarantine_log.skipped(step, reason, ref)
         self.emit(Event(step=step, kind=Kind.QUARANTINE, level=Level.WARNING, signal=reason,
-                        message=f"quarantined {_name_batch(ref, step)[0]}: {reason}{note}; it is "
+                        message=f"quarantined {_name_batch(ref, self.run_step(step))[0]}: {reason}{note}; it is "
                                 f"never trained -> {self.quarantine_path}",
                         values={"batches": 1.0}, batch=rec.batch_index))
         return rec
@@ -308,7 +314,7 @@ class Recovery:
         ``known_finite``: the incident's loss and gradients were finite -- a divergence -- so the
         weights that produced them are too, and no NaN/Inf needs looking for). The phases are
         in :mod:`earlywarn.recover.rewind`."""
-        return _rewind.rewind(self, step, reason, blame=_blame_dict(blame), onset=onset, scan=scan,
+        return _rewind.rewind(self, step, reason, blame=_blame_dict(blame, self.run_step), onset=onset, scan=scan,
                               known_finite=known_finite)
 
     def recurrence_of(self, step: int, reason: str) -> str | None:
@@ -386,7 +392,7 @@ class Recovery:
         self.history.reset(step)
         self.snapshots.resumed(step)
         self.emit(Event(step=step, kind=Kind.RESUME, level=Level.INFO,
-                        message=f"resumed from {path} at step {step}", signal="resume"))
+                        message=f"resumed from {path} at step {self.run_step(step)}", signal="resume"))
         return step
 
     def _newest_readable(self) -> tuple[Path, dict[str, Any]]:

@@ -11,7 +11,8 @@
    quarantine of its batches;
 6. ``announce``: the message, the report and the events.
 
-Steps are the training trajectory's.
+Steps are the training trajectory's; the steps a message names are on the run's clock
+(``Recovery.run_step``), converted before the watcher's clock takes the rewind.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ if TYPE_CHECKING:
 
 def rewind(rec: "Recovery", step: int, reason: str, *, blame: dict[str, Any] | None, onset: int | None,
            scan: StateScan | None, known_finite: bool) -> RewindReport:
-    """See :meth:`Recovery.rewind` (``blame``: its record, with its message)."""
+    """See :meth:`Recovery.rewind` (``blame``: its record, messages on the run's clock already)."""
     if not rec.config.rewind:
-        raise halt(step, f"{reason} at step {step}; rewinding is disabled (RecoveryConfig.rewind="
-                              "False): halting. Enable it, or resume from a checkpoint after fixing the cause.",
+        raise halt(step, f"{reason} at step {rec.run_step(step)}; rewinding is disabled (RecoveryConfig.rewind="
+                   "False): halting. Enable it, or resume from a checkpoint after fixing the cause.",
                    "rewind_disabled")
     diagnosis = escalate(rec, step, reason)
     rec.snapshots.settle(block=True)  # a confirmed snapshot still in flight is a candidate too
@@ -73,13 +74,13 @@ def escalate(rec: "Recovery", step: int, reason: str) -> str | None:
         return None
     if cfg.on_recurrence == "halt":
         raise halt(step, f"{diagnosis} Halting (RecoveryConfig.on_recurrence='halt'): resume from the last "
-                              "clean checkpoint with a lower learning rate, or set on_recurrence='lower_lr' to "
-                              f"rewind and go on at {cfg.recurrence_lr_factor:g}x the learning rate for "
-                              f"{cfg.recurrence_lr_steps} steps.", "recurrence")
+                   "clean checkpoint with a lower learning rate, or set on_recurrence='lower_lr' to "
+                   f"rewind and go on at {cfg.recurrence_lr_factor:g}x the learning rate for "
+                   f"{cfg.recurrence_lr_steps} steps.", "recurrence")
     if ep.rewinds >= cfg.max_rewinds_per_episode:
         raise halt(step, f"{diagnosis} Halting: {ep.rewinds} rewinds in this episode (max_rewinds_per_episode="
-                              f"{cfg.max_rewinds_per_episode}), the last at {ep.lr_factor:g}x the learning rate, did "
-                              "not hold. Resume from the last clean checkpoint with a lower learning rate.",
+                   f"{cfg.max_rewinds_per_episode}), the last at {ep.lr_factor:g}x the learning rate, did "
+                   "not hold. Resume from the last clean checkpoint with a lower learning rate.",
                    "rewinds_exhausted")
     return diagnosis
 
@@ -88,10 +89,10 @@ def choose_target(rec: "Recovery", step: int, reason: str, onset: int | None, *,
     """The copy to restore (raises :class:`Halt` when there is none)."""
     ep = rec.recurrence.episode
     target = pick_target(rec.snapshots.candidates(step), step, onset, ep.first_target if ep is not None else None,
-                         poisoned=poisoned)
+                         poisoned=poisoned, run=rec.run_step)
     if target is None:
-        raise halt(step, f"{reason} at step {step}; no snapshot or checkpoint to rewind to (the "
-                              "first snapshot is taken at the first after_step): halting.", "no_clean_snapshot")
+        raise halt(step, f"{reason} at step {rec.run_step(step)}; no snapshot or checkpoint to rewind to (the "
+                   "first snapshot is taken at the first after_step): halting.", "no_clean_snapshot")
     return target
 
 
@@ -105,7 +106,7 @@ def move_data(rec: "Recovery", step: int, reason: str, state: Mapping[str, Any],
         through = rec.history.skip_through(step, since)
         if through is not None:  # the data goes on right after the incident's batch, as in sync mode
             skip = through
-    at = f"{reason} at step {step}"
+    at = f"{reason} at step {rec.run_step(step)}"
     if skip is not None and not rec.data.restorable:
         raise halt(step, f"{at}; cannot rewind with rewind_skip_batches={skip}: {rec.data.why_not}",
                    "data_position")
@@ -144,23 +145,24 @@ def forget_after(rec: "Recovery", target: int, step: int, reason: str, refs: lis
 
 def announce(rec: "Recovery", step: int, reason: str, target: Target, source: str, records: list[QuarantineRecord],
              *, rng: bool, diagnosis: str | None, blame: dict[str, Any] | None, scan: StateScan) -> RewindReport:
-    """The rewind's message, report and events."""
-    cfg = rec.config
+    """The rewind's message (its steps on the run's clock), report and events."""
+    cfg, run = rec.config, rec.run_step
     ep = rec.recurrence.episode
     assert ep is not None
     lost = step - target.step
     if rng:
-        rng_txt = f"the global RNGs were restored to step {target.step} (the loader, not the RNG, picks the batches)"
+        rng_txt = (f"the global RNGs were restored to step {run(target.step)} (the loader, not the RNG, picks the "
+                   "batches)")
     elif rec.data.restorable:
         rng_txt = "the global RNGs were not restored (rewind_restore_rng=False)"
     else:
         rng_txt = ("the global RNGs were not restored: without a restorable loader they may be what draws the "
                    "batches, so they go on from where they are and the batches that follow are new ones")
     n = len(records)
-    msg = (f"{reason}: rewound to the {'clean' if target.clean else 'unclean'} state of step {target.step} "
+    msg = (f"{reason}: rewound to the {'clean' if target.clean else 'unclean'} state of step {run(target.step)} "
            f"({source}), {lost} step{'s' if lost != 1 else ''} lost" + (f" ({target.why})" if target.why else "")
-           + f"; {n} batch{'es' if n != 1 else ''} never trained again: {_ranges(records)}"
-           + f"; {rng_txt}; training goes on at step {target.step + 1}")
+           + f"; {n} batch{'es' if n != 1 else ''} never trained again: {_ranges(records, run)}"
+           + f"; {rng_txt}; training goes on from it (ew.step = {target.step + 1})")
     if diagnosis is not None:
         msg += (f". {diagnosis} Going on at {ep.lr_factor:g}x the learning rate for {cfg.recurrence_lr_steps} steps "
                 f"(on_recurrence='lower_lr'), rewind {ep.rewinds}/{cfg.max_rewinds_per_episode} of this episode")
@@ -180,6 +182,6 @@ def announce(rec: "Recovery", step: int, reason: str, target: Target, source: st
                    batch=first))
     if records:
         rec.emit(Event(step=step, kind=Kind.QUARANTINE, level=Level.WARNING,
-                       message=f"quarantined {_ranges(records)} -> {rec.quarantine_path}",
+                       message=f"quarantined {_ranges(records, run)} -> {rec.quarantine_path}",
                        signal=reason, values={"batches": float(n)}, batch=first))
     return report

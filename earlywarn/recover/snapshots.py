@@ -95,13 +95,13 @@ class SnapshotKeeper:
     """The ring (``ring``, ``None`` when in-memory snapshots are off) and the disk checkpoints
     (``checkpoints``, ``None`` without ``checkpoint_dir``), and when each copy is due.
 
-    ``emit``: events (checkpoints written or failed); ``recovery_state``: what a disk
-    checkpoint saves of the recovery layer;
+    ``emit``: events (checkpoints written or failed); ``run_step``: a training step on the run's
+    clock (for messages); ``recovery_state``: what a disk checkpoint saves of the recovery layer;
     ``on_poisoned(step)``: a copy's finiteness check failed (the live state may be poisoned)."""
 
     def __init__(self, cfg: RecoveryConfig, live: LiveState, data: DataPositionAdapter, history: BatchHistory,
                  baseline: FiniteBaseline, *, rank: int | None, emit: Callable[[Event], None],
-                 recovery_state: Callable[[], dict[str, Any]],
+                 run_step: Callable[[int], int], recovery_state: Callable[[], dict[str, Any]],
                  on_poisoned: Callable[[int], None]) -> None:
         self.config = cfg
         self.live = live
@@ -110,6 +110,7 @@ class SnapshotKeeper:
         self.baseline = baseline
         self.rank = rank  # fixed for the run: every rank settles at the same step
         self.emit = emit
+        self.run_step = run_step
         self.recovery_state = recovery_state
         self.on_poisoned = on_poisoned
         self.ring = SnapshotRing(cfg.snapshot_keep, keep_unclean=1) if cfg.every > 0 else None
@@ -275,13 +276,14 @@ class SnapshotKeeper:
             return self._save_disk(snap, label, clean=False, reason=reason)
         name = self.memory_name(label)
         self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
-                        message=f"in-memory snapshot ({reason}) of the state after step {label}",
+                        message=f"in-memory snapshot ({reason}) of the state after step {self.run_step(label)}",
                         signal=reason, values={"clean": 0.0}, path=name))
         return name
 
     def memory_name(self, step: int) -> str:
-        """How events and messages name the in-memory snapshot of step ``step``."""
-        return f"memory:{step}"
+        """How events and messages name the in-memory snapshot of training step ``step``:
+        ``memory:<that step on the run's clock>``."""
+        return f"memory:{self.run_step(step)}"
 
     def _save_disk(self, snap: Snapshot, step: int, *, clean: bool, reason: str) -> str:
         assert self.checkpoints is not None
