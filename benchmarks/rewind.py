@@ -295,7 +295,7 @@ def costs(rounds: int) -> None:
         # what after_step does when a snapshot is due: the host copy into the buffers of the
         # snapshot it recycles, the device finiteness flag, keeping it in the ring
         clock[0] += 1
-        rec._last_snapshot_step = None  # due now
+        rec.snapshots.last_snapshot = None  # due now
         t0 = time.perf_counter()
         rec.after_step(clock[0], clean=True)
         rec.settle()

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Mapping
 
+from earlywarn._renamed import renamed
 from earlywarn.events import Event, Kind
 
 __all__ = ["Action", "Policy", "PolicyConfig", "PolicyDecision"]
@@ -46,6 +47,7 @@ class Action(str, enum.Enum):
 _SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.SKIP: 2, Action.REPAIR: 3, Action.REWIND: 4, Action.HALT: 5}
 
 
+@renamed("max_rewinds", "max_rewinds_per_window")
 @dataclass
 class PolicyConfig:
     """How alerts become actions. Counts of steps are counts of :meth:`Policy.decide` calls."""
@@ -99,9 +101,10 @@ class PolicyConfig:
     news, and an instability that comes back is the recovery's to diagnose (a recurrence),
     which a cooldown would only hide."""
 
-    max_rewinds: int = 3
+    max_rewinds_per_window: int = 3
     """More than this many rewinds within ``rewind_window`` steps halts the run instead: it keeps
-    failing the same way and needs a person (lower LR, inspect data)."""
+    failing the same way and needs a person (lower LR, inspect data). (Rewinds of one episode
+    are ``RecoveryConfig.max_rewinds_per_episode``.)"""
 
     rewind_window: int = 2_000
     """Window of the rewind limit, in steps."""
@@ -117,7 +120,7 @@ class PolicyConfig:
                     raise ValueError(f"PolicyConfig.{f.name}='repair' is invalid: a repair is the guard's answer to "
                                      "poisoned optimizer state; use none, checkpoint, skip, rewind or halt")
         for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
-                     "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds",
+                     "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds_per_window",
                      "rewind_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -131,7 +134,7 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | {"max_rewinds"}  # the deprecated name still loads
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"PolicyConfig: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -294,9 +297,10 @@ class Policy:
         if t - self.last_rewind <= cfg.rewind_cooldown:
             return (f"no rewind for {why}: cooldown ({t - self.last_rewind} <= "
                     f"{cfg.rewind_cooldown} steps since the last; PolicyConfig.rewind_cooldown)")
-        if len(self.rewinds) >= cfg.max_rewinds:
+        if len(self.rewinds) >= cfg.max_rewinds_per_window:
             wanted.setdefault(Action.HALT, f"{why}, but already {len(self.rewinds)} rewinds within "
-                                           f"{cfg.rewind_window} steps (PolicyConfig.max_rewinds={cfg.max_rewinds})")
+                                           f"{cfg.rewind_window} steps (PolicyConfig.max_rewinds_per_window="
+                                           f"{cfg.max_rewinds_per_window})")
             return None
         wanted[Action.REWIND] = why
         self.last_rewind = t

@@ -86,7 +86,7 @@ def test_the_state_check_makes_a_lone_nonfinite_step_a_skip_or_a_rewind():
 
 
 def test_poisoned_optimizer_state_alone_is_repaired_not_rewound():
-    p = Policy(PolicyConfig(rewind_cooldown=10, max_rewinds=1))
+    p = Policy(PolicyConfig(rewind_cooldown=10, max_rewinds_per_window=1))
     d = p.decide(0, [ev(0, Kind.NONFINITE_GRAD)], state_finite=False, repairable=True)
     assert d.actions == (Action.REPAIR,) and d.rewind_triggers == ("nonfinite_grad",)
     assert not p.rewinds and p.nonfinite_streak == 0  # the repair acted: the streak starts over
@@ -119,7 +119,7 @@ def test_warning_checkpoints_have_cooldown_hysteresis_and_a_rate_limit():
 
 
 def test_too_many_rewinds_within_the_window_halt_the_run():
-    cfg = PolicyConfig(rewind_cooldown=5, max_rewinds=3, rewind_window=100)
+    cfg = PolicyConfig(rewind_cooldown=5, max_rewinds_per_window=3, rewind_window=100)
     p = Policy(cfg)
     acts = run(p, {s: [Kind.LOSS_DIVERGED] for s in (10, 12, 20, 30, 40)}, 50)
     assert acts[10] == [Action.REWIND]
@@ -143,11 +143,25 @@ def test_configured_actions_and_none():
     assert not p.decide(10, [Event(step=10, kind=Kind.REWIND, level=Level.WARNING, message="rewound")]).actions
 
 
+def test_the_old_name_max_rewinds_still_works_and_names_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"PolicyConfig\(max_rewinds=\.\.\.\) is deprecated: use max_rewinds_per_window"):
+        cfg = PolicyConfig(max_rewinds=1)
+    assert cfg.max_rewinds_per_window == 1 and cfg == PolicyConfig(max_rewinds_per_window=1)
+    with pytest.warns(DeprecationWarning, match=r"PolicyConfig.max_rewinds is deprecated: use max_rewinds_per_window"):
+        assert cfg.max_rewinds == 1
+    with pytest.warns(DeprecationWarning):
+        assert PolicyConfig.from_dict({"max_rewinds": 2}).max_rewinds_per_window == 2  # a config saved before
+    with pytest.raises(ValueError, match=r"max_rewinds=2 \(the deprecated name of max_rewinds_per_window\) and "
+                                         r"max_rewinds_per_window=4 disagree"), pytest.warns(DeprecationWarning):
+        PolicyConfig(max_rewinds=2, max_rewinds_per_window=4)
+    assert "max_rewinds" not in PolicyConfig().to_dict()
+
+
 def test_config_validation_names_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"on_collapse_risk='restart'.*checkpoint"):
         PolicyConfig(on_collapse_risk="restart")
-    with pytest.raises(ValueError, match=r"max_rewinds=-1.*>= 0"):
-        PolicyConfig(max_rewinds=-1)
+    with pytest.raises(ValueError, match=r"max_rewinds_per_window=-1.*>= 0"):
+        PolicyConfig(max_rewinds_per_window=-1)
     with pytest.raises(ValueError, match=r"rewind_window=0"):
         PolicyConfig(rewind_window=0)
     with pytest.raises(ValueError, match=r"checkpoint_cooldown=1.5"):

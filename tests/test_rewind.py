@@ -51,7 +51,7 @@ def run(tmp_path, *, kind="resumable", skip="since_snapshot", epochs=2, lr=0.05,
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     events = []
     cfg = RecoveryConfig(snapshot_every=snapshot_every, clean_window=5, rewind_skip_batches=skip,
-                         max_rewinds=max_rewinds, quarantine_path=str(tmp_path / "quarantine.jsonl"))
+                         max_rewinds_per_episode=max_rewinds, quarantine_path=str(tmp_path / "quarantine.jsonl"))
     rec = Recovery(model, opt, cfg, loader=loader, emit=events.append)
     trained: list[tuple[int, tuple, list[int]]] = []  # (step, (epoch, batch), sample ids) still in the model
     reports, losses, step, finite_throughout = [], [], 0, True
@@ -219,7 +219,7 @@ def test_the_target_is_the_newest_clean_snapshot_before_the_onset(tmp_path):
 
 def test_a_recurrence_never_rewinds_further_back_than_the_first_rewind(tmp_path):
     model, opt, rec, weights, train = _trained_recovery(tmp_path, snapshot_every=5, snapshot_keep=3,
-                                                        on_recurrence="lower_lr", max_rewinds=3)
+                                                        on_recurrence="lower_lr", max_rewinds_per_episode=3)
     train(range(1, 13))
     assert [s.step for s in rec.ring.entries] == [1, 6, 11]
     first = rec.rewind(13, "loss_diverged")
@@ -237,9 +237,20 @@ def test_a_recurrence_never_rewinds_further_back_than_the_first_rewind(tmp_path)
     assert seen == [0.05] and opt.param_groups[0]["lr"] == 0.1
     third = rec.rewind(12, "loss_diverged")
     assert (third.restored_step, third.attempt, third.lr_factor) == (11, 3, 0.25)
-    with pytest.raises(Halt, match=r"recurrence: .* 3 rewinds in this episode \(max_rewinds=3\)") as err:
+    with pytest.raises(Halt, match=r"recurrence: .* 3 rewinds in this episode \(max_rewinds_per_episode=3\)") as err:
         rec.rewind(12, "loss_diverged")
     assert err.value.reason == "rewinds_exhausted"
+
+
+def test_the_old_name_max_rewinds_still_works_and_names_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"RecoveryConfig\(max_rewinds=\.\.\.\) is deprecated: "
+                                                r"use max_rewinds_per_episode"):
+        cfg = RecoveryConfig(max_rewinds=2)
+    assert cfg.max_rewinds_per_episode == 2
+    with pytest.warns(DeprecationWarning, match=r"RecoveryConfig.max_rewinds is deprecated: use max_rewinds_per_episode"):
+        assert cfg.max_rewinds == 2
+    with pytest.raises(ValueError, match=r"max_rewinds_per_episode=-1: must be an int >= 0"):
+        RecoveryConfig(max_rewinds_per_episode=-1)
 
 
 def test_a_rewind_that_held_ends_the_episode_and_the_lowered_lr_ends_after_its_steps(tmp_path):

@@ -24,8 +24,7 @@ class WatcherCheckpointState:
         # The run's clock never goes back: trackers drop rows whose step is lower than one already logged.
         t = self._telemetry
         t.counters.update(state["counters"])
-        t.clock.step = max(t.clock.step, int(state["step"]))
-        t.clock.offset = max(t.clock.offset, int(state.get("log_offset", 0)))
+        t.clock.merge(state)
         t.counters["steps"] = t.clock.step
 
 

@@ -8,10 +8,12 @@ row, and every step a message names, is on the run's clock; :class:`RunClock` co
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from earlywarn.detect import Observation
@@ -28,28 +30,60 @@ _NO_METRICS: Mapping[str, float] = types.MappingProxyType({})  # a step's end, f
 
 @dataclass
 class RunClock:
-    """The training step and the run's clock: ``run = step + offset``, ``offset`` the steps rewinds undid."""
+    """The training step and the run's clock: ``run(s) = s + offset``, where ``offset`` is the
+    number of steps rewinds had undone when training step ``s`` was (last) trained.
+
+    Each rewind starts a segment of the trajectory: ``(first training step, offset)``. A rewind
+    that goes back past a segment's start drops that segment (its steps are trained again, under
+    the new offset), so the segments always describe the current trajectory."""
 
     step: int = 0
     """The step the next ``optimizer.step()`` is (on the training trajectory)."""
-    offset: int = 0
-    """Steps that rewinds took back so far: the run's clock of training step ``s`` is ``s + offset``."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """``(first training step, offset)`` per rewind still on the current trajectory, in order;
+    before the first segment the offset is 0."""
+
+    @property
+    def offset(self) -> int:
+        """The offset in force now (steps that rewinds took back so far)."""
+        return self.segments[-1][1] if self.segments else 0
 
     def run(self, step: int) -> int:
-        return step + self.offset
+        """Training step ``step`` (of the current trajectory) on the run's clock."""
+        segs = self.segments
+        if not segs or step >= segs[-1][0]:
+            return step + self.offset  # the current segment: the usual case
+        i = bisect.bisect_right(segs, (step, math.inf)) - 1
+        return step + (segs[i][1] if i >= 0 else 0)
 
     def rewound(self, incident: int, resume: int) -> None:
         """A rewind at training step ``incident`` resumes at ``resume``: the run's clock goes on
         from the incident's."""
-        self.offset += incident + 1 - resume
+        offset = self.run(incident) + 1 - resume
+        while self.segments and self.segments[-1][0] >= resume:
+            self.segments.pop()  # trained again from ``resume`` on: under the new offset
+        self.segments.append((resume, offset))
         self.step = resume
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "log_offset": self.offset}
+    def merge(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's clock loaded into a live watcher (a resume): neither the training
+        step nor the run's clock goes back."""
+        saved = RunClock()
+        saved.load_state_dict(state)
+        self.step = max(self.step, saved.step)
+        if saved.offset > self.offset:
+            self.segments = saved.segments
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "log_offset": self.offset, "segments": [list(s) for s in self.segments]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step = int(state["step"])
-        self.offset = int(state.get("log_offset", 0))
+        segments = state.get("segments")
+        if segments is None:  # saved before segments existed: one offset for every step
+            offset = int(state.get("log_offset", 0))
+            segments = [(0, offset)] if offset else []
+        self.segments = [(int(first), int(offset)) for first, offset in segments]
 
 
 class Telemetry:
@@ -90,7 +124,7 @@ class Telemetry:
 
     def emit_trained(self, event: Event) -> None:
         """An event whose ``step`` is a training step (recovery's): sent on the run's clock."""
-        if event.step >= 0 and self.clock.offset:
+        if event.step >= 0 and self.clock.segments:
             event = dataclasses.replace(event, step=self.clock.run(event.step))
         self.emit(event)
 

@@ -75,7 +75,7 @@ class Watcher:
                  "earlywarn_watcher": WatcherCheckpointState(self.telemetry), **(extra_state or {})}
         self.recovery = Recovery(
             model, optimizer, config.recovery or RecoveryConfig(), scheduler=scheduler, scaler=self.scaler,
-            loader=loader, extra_state=extra, emit=self.telemetry.emit_trained,
+            loader=loader, extra_state=extra, emit=self.telemetry.emit_trained, run_step=self.telemetry.clock.run,
             # A rewind restores the model and the detector, not the policy's rewind budget or our counters.
             keep_on_rewind=("earlywarn_policy", "earlywarn_watcher"),
             # Our own bookkeeping follows the judgement of a step (late in async mode), not its update.

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from .._renamed import renamed
 from .budget import parse_memory
 from .checkpoint import is_collective
 
@@ -14,6 +15,7 @@ SINCE_SNAPSHOT = "since_snapshot"
 _RECURRENCE = ("halt", "lower_lr")
 
 
+@renamed("max_rewinds", "max_rewinds_per_episode")
 @dataclass
 class RecoveryConfig:
     """How earlywarn recovers. The defaults protect a run that passes nothing: in-memory
@@ -94,15 +96,16 @@ class RecoveryConfig:
     so not a bad batch (likely the learning rate or another hyperparameter): ``"halt"`` with that
     diagnosis, or ``"lower_lr"``: rewind again (never further back than the episode's first
     rewind) and multiply the learning rate by ``recurrence_lr_factor`` for
-    ``recurrence_lr_steps`` steps, at most ``max_rewinds`` rewinds per episode."""
+    ``recurrence_lr_steps`` steps, at most ``max_rewinds_per_episode`` rewinds per episode."""
     recurrence_lr_factor: float = 0.5
     """``on_recurrence="lower_lr"``: the factor (0 < f < 1); it compounds on every recurrence."""
     recurrence_lr_steps: int = 200
     """``on_recurrence="lower_lr"``: optimizer steps the lower learning rate lasts. It is
     applied around each optimizer step, so it holds whoever sets the learning rate (a
     scheduler, the loop) and the loop's own values come back afterwards."""
-    max_rewinds: int = 3
-    """Rewinds per episode (the first and the recurrences) before halting."""
+    max_rewinds_per_episode: int = 3
+    """Rewinds per episode (the first and the recurrences) before halting. (Rewinds within a
+    window of steps, whatever their episode, are ``PolicyConfig.max_rewinds_per_window``.)"""
     quarantine_path: str | None = None
     """JSONL file listing every batch that will never be trained (skipped or rewound over);
     default ``<checkpoint_dir>/quarantine.jsonl``, or ``quarantine.jsonl`` in earlywarn's output
@@ -122,7 +125,7 @@ class RecoveryConfig:
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for name in ("checkpoint_every", "clean_window", "max_rewinds", "recurrence_lr_steps"):
+        for name in ("checkpoint_every", "clean_window", "max_rewinds_per_episode", "recurrence_lr_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "must be an int >= 0")
         for name in ("snapshot_keep", "checkpoint_keep", "history", "max_lost_steps"):

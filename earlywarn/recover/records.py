@@ -1,12 +1,18 @@
 """The records a recovery leaves: who is to blame, which batches are never trained, what a
-rewind did. Plain data, JSON-ready (``to_dict``); unknown fields are left out, never null."""
+rewind did. Plain data, JSON-ready (``to_dict``); unknown fields are left out, never null.
+
+Their steps are training steps. A text that names them takes ``run``, which puts a training step
+on the run's clock (the watcher's; the default leaves it as it is)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .batches import BatchRef
+
+Run = Callable[[int], int]
+"""A training step -> the same step on the run's clock."""
 
 
 def _name_batch(batch: BatchRef | None, step: int) -> tuple[str, bool]:
@@ -42,26 +48,31 @@ class Blame:
         responsible was batch 10 of epoch 0 (samples ...) at step 11; first layer: fc1.weight".
         Without a loader: "...; the batch responsible was the batch drawn for step 11
         (fingerprint 0f3a...)"."""
-        who, says_step = _name_batch(self.batch, self.step)
-        at = "" if says_step else f" at step {self.step}"
+        return self.describe()
+
+    def describe(self, run: Run = int) -> str:
+        """:attr:`message` with its steps on the run's clock."""
+        step = run(self.step)
+        who, says_step = _name_batch(self.batch, step)
+        at = "" if says_step else f" at step {step}"
         if self.symptom and self.symptom_step == self.step:
             if says_step:
-                text = f"{self.symptom} at step {self.step}; {self.role}: {who}"
+                text = f"{self.symptom} at step {step}; {self.role}: {who}"
             else:
-                text = f"{self.symptom} at step {self.step} on {who}, {self.role}"
+                text = f"{self.symptom} at step {step} on {who}, {self.role}"
         elif self.symptom and self.symptom_step is not None:
             on = ""
             if self.symptom_batch is not None and self.symptom_batch.batch_index is not None:
                 on = f" on {self.symptom_batch}"
             verb = " was" if self.role.endswith("responsible") else ""
-            text = f"{self.symptom} at step {self.symptom_step}{on}; {self.role}{verb} {who}{at}"
+            text = f"{self.symptom} at step {run(self.symptom_step)}{on}; {self.role}{verb} {who}{at}"
         else:
             text = f"{self.role}: {who}{at}"
         if self.layer:
             text += f"; first layer: {self.layer}"
         return text
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, run: Run = int) -> dict[str, Any]:
         return {
             "step": self.step,
             "batch": None if self.batch is None else self.batch.to_dict(),
@@ -69,7 +80,7 @@ class Blame:
             "symptom": self.symptom,
             "symptom_step": self.symptom_step,
             "symptom_batch": None if self.symptom_batch is None else self.symptom_batch.to_dict(),
-            "message": self.message,
+            "message": self.describe(run),
         }
 
 
@@ -156,7 +167,7 @@ class RewindReport:
         }
 
 
-def _ranges(refs: list[QuarantineRecord]) -> str:
+def _ranges(refs: list[QuarantineRecord], run: Run = int) -> str:
     """'epoch 0 batches 12-14, epoch 1 batch 0', or by step when no loader knows the batches:
     '3 batches, drawn for steps 101-103 (fingerprints in the quarantine file)'."""
     if not refs:
@@ -166,8 +177,7 @@ def _ranges(refs: list[QuarantineRecord]) -> str:
         n = len(refs)
         what = f"{n} batch{'es' if n != 1 else ''}"
         if steps:
-            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-            what += f", drawn for {span}"
+            what += f", drawn for {_step_spans(steps, run)}"
         fps = sum(r.fingerprint is not None for r in refs)
         if fps:
             what += " (fingerprint" + (f" {refs[0].fingerprint}" if n == 1 else "s in the quarantine file") + ")"
@@ -184,6 +194,21 @@ def _ranges(refs: list[QuarantineRecord]) -> str:
     return ", ".join(out)
 
 
+def _step_spans(steps: list[int], run: Run) -> str:
+    """'step 7', 'steps 7-9', or on the run's clock 'steps 101-125, 153-160' (a span ends where
+    the clock jumps: a rewind's steps before and after the point it went back to)."""
+    spans: list[list[int]] = []  # [first, last] on the run's clock
+    for prev, s in zip([None, *steps], steps):
+        r = run(s)
+        if spans and prev is not None and r - spans[-1][1] == s - prev:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    if len(spans) == 1 and spans[0][0] == spans[0][1]:
+        return f"step {spans[0][0]}"
+    return "steps " + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def _plain(x: Any) -> Any:
     if hasattr(x, "to_dict"):
         return x.to_dict()
@@ -194,14 +219,14 @@ def _plain(x: Any) -> Any:
     return x if isinstance(x, (str, int, float, bool, type(None))) else str(x)
 
 
-def _blame_dict(blame: Mapping[str, Any] | Blame | None) -> dict[str, Any] | None:
-    """A JSON-ready blame record with a ``message``. Accepts a :class:`Blame` or a dict with
-    any of ``step``, ``batch``, ``layer``, ``first_alert_step``, ``first_alert_batch``,
-    ``symptom``, ``symptom_step``, ``symptom_batch`` (BatchRef values allowed)."""
+def _blame_dict(blame: Mapping[str, Any] | Blame | None, run: Run = int) -> dict[str, Any] | None:
+    """A JSON-ready blame record with a ``message`` (its steps on the run's clock). Accepts a
+    :class:`Blame` or a dict with any of ``step``, ``batch``, ``layer``, ``first_alert_step``,
+    ``first_alert_batch``, ``symptom``, ``symptom_step``, ``symptom_batch`` (BatchRef values allowed)."""
     if blame is None:
         return None
     if isinstance(blame, Blame):
-        return blame.to_dict()
+        return blame.to_dict(run)
     d = dict(blame)
     if "message" not in d and "step" in d:
         if d.get("first_alert_step") is not None and d["first_alert_step"] != d["step"]:
@@ -212,7 +237,7 @@ def _blame_dict(blame: Mapping[str, Any] | Blame | None) -> dict[str, Any] | Non
             b = Blame(step=int(d["step"]), batch=_as_ref(d.get("batch")), layer=d.get("layer"),
                       symptom=d.get("symptom"), symptom_step=d.get("symptom_step"),
                       symptom_batch=_as_ref(d.get("symptom_batch")))
-        d["message"] = b.message
+        d["message"] = b.describe(run)
     return _plain(d)
 
 

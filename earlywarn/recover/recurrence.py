@@ -8,6 +8,11 @@ learning rate or another hyperparameter. The learning rate of param group 0 is r
 (a float read; a tensor learning rate is read only for a diagnosis) so the diagnosis can show its
 trend: at the first rewind's target, at the first incident, now -- and whether the loop's own
 schedule went back with the rewind.
+
+Steps are the training trajectory's; the steps a message names are on the run's clock
+(``run_step``, the watcher's :class:`~earlywarn.guard.telemetry.RunClock`), and those a later
+message names after the trajectory went back (the first incident, the rewind log) are converted
+when they are recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .window import CleanWindow
+
 
 def _fmt_lr(lr: float | None) -> str:
     return "?" if lr is None else f"{lr:.3g}"
@@ -25,7 +32,8 @@ def _fmt_lr(lr: float | None) -> str:
 
 @dataclass
 class Episode:
-    """Rewinds for one instability, from the first until one holds."""
+    """Rewinds for one instability, from the first until one holds. Steps are training steps;
+    the ``*_run`` fields are the same steps on the run's clock, for messages."""
 
     first_incident: int
     first_target: int
@@ -38,35 +46,52 @@ class Episode:
     """Keys of the batches quarantined by this episode's rewinds (positions / fingerprints)."""
     lr_path: dict[int, float] = field(default_factory=dict)
     """The learning rate per step on the first way up to the first incident."""
+    first_incident_run: int | None = None
+    first_target_run: int | None = None
+    last_target_run: int | None = None
+
+    def run(self, name: str) -> int:
+        """``first_incident`` / ``first_target`` / ``last_target`` on the run's clock (an episode
+        saved before these were recorded: the training step)."""
+        at = getattr(self, f"{name}_run")
+        return getattr(self, name) if at is None else at
 
     def to_dict(self) -> dict[str, Any]:
         return {"first_incident": self.first_incident, "first_target": self.first_target,
                 "first_reason": self.first_reason, "rewinds": self.rewinds,
                 "last_incident": self.last_incident, "last_target": self.last_target,
                 "lr_factor": self.lr_factor, "quarantined": list(self.quarantined),
-                "lr_path": {str(k): v for k, v in self.lr_path.items()}}
+                "lr_path": {str(k): v for k, v in self.lr_path.items()},
+                "first_incident_run": self.run("first_incident"), "first_target_run": self.run("first_target"),
+                "last_target_run": self.run("last_target")}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Episode":
         return cls(int(d["first_incident"]), int(d["first_target"]), str(d["first_reason"]), int(d["rewinds"]),
                    int(d["last_incident"]), int(d["last_target"]), float(d["lr_factor"]),
-                   list(d.get("quarantined", [])), {int(k): float(v) for k, v in d.get("lr_path", {}).items()})
+                   list(d.get("quarantined", [])), {int(k): float(v) for k, v in d.get("lr_path", {}).items()},
+                   *(None if d.get(k) is None else int(d[k])
+                     for k in ("first_incident_run", "first_target_run", "last_target_run")))
 
 
 class Recurrence:
     """The open episode, the learning-rate history, and the lowered learning rate in force.
 
     ``factor`` / ``lr_steps``: ``RecoveryConfig.recurrence_lr_factor`` / ``recurrence_lr_steps``;
-    ``history``: steps of learning rate kept."""
+    ``history``: steps of learning rate kept; ``window``: when a rewind has held; ``run_step``: a
+    training step on the run's clock (for messages; default: the training step itself)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, factor: float, lr_steps: int, history: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, factor: float, lr_steps: int, history: int,
+                 window: CleanWindow, run_step: Callable[[int], int] = int) -> None:
         self.optimizer = optimizer
         self.factor = factor
         self.lr_steps = lr_steps
+        self.window = window
+        self.run_step = run_step
         self.episode: Episode | None = None
         self._lr: deque[tuple[int, float | None]] = deque(maxlen=history)  # (step, lr of group 0)
         self._cut: list[float] | None = None  # [factor, steps left]
-        self._log: deque[tuple[int, int, str]] = deque(maxlen=8)  # (incident, restored, reason)
+        self._log: deque[tuple[int, int, str]] = deque(maxlen=8)  # (incident, restored, reason) on the run's clock
 
     @property
     def lr_factor(self) -> float:
@@ -74,7 +99,7 @@ class Recurrence:
         return 1.0 if self._cut is None else float(self._cut[0])
 
     # -- per step --------------------------------------------------------------------------------
-    def after_step(self, step: int, *, clean: bool, window: int) -> bool:
+    def after_step(self, step: int, *, clean: bool) -> bool:
         """Record the step's learning rate, count the lowered one down, close the episode once
         it held. Returns True when the lowered learning rate just ended."""
         groups = self.optimizer.param_groups
@@ -86,7 +111,7 @@ class Recurrence:
             if self._cut[1] <= 0:
                 self._cut, ended = None, True
         ep = self.episode
-        if ep is not None and clean and step >= ep.last_incident + window:
+        if ep is not None and clean and self.window.held(ep.last_incident, step):
             self.episode = None  # trained past the incident: the rewind held
         return ended
 
@@ -102,19 +127,22 @@ class Recurrence:
                 live_lr: float | None = None) -> Episode:
         """A rewind from ``step`` to ``target`` happened: open the episode, or count a recurrence
         in it (and lower the learning rate for ``lr_steps`` steps, compounding). ``live_lr``: the
-        learning rate of the incident step, read before the restore put the snapshot's back."""
-        self._log.append((step, target, reason))
+        learning rate of the incident step, read before the restore put the snapshot's back.
+        Call it before the run's clock takes the rewind (``step`` and ``target`` are named on it)."""
+        run_step, run_target = self.run_step(step), self.run_step(target)
+        self._log.append((run_step, run_target, reason))
         ep = self.episode
         if ep is None:
             lr_path = {s: lr for s, lr in self._lr if target <= s <= step and lr is not None}
             live = live_lr
             if live is not None:
                 lr_path[step] = live
-            ep = self.episode = Episode(step, target, reason, 1, step, target, 1.0, [], lr_path)
+            ep = self.episode = Episode(step, target, reason, 1, step, target, 1.0, [], lr_path,
+                                        run_step, run_target, run_target)
         else:
             ep.rewinds += 1
             ep.last_incident = max(ep.last_incident, step)
-            ep.last_target = target
+            ep.last_target, ep.last_target_run = target, run_target
             ep.lr_factor *= self.factor
             self._cut = [ep.lr_factor, float(self.lr_steps)]
         ep.quarantined += quarantined
@@ -125,12 +153,14 @@ class Recurrence:
         (first incident) -> 0.0025 at step 160 (now), rising' for the open episode."""
         ep = self.episode
         now = self.live_lr()
+        run = self.run_step(step)
         if ep is None:
-            return f"learning rate (param group 0): {_fmt_lr(now)} at step {step}"
+            return f"learning rate (param group 0): {_fmt_lr(now)} at step {run}"
         at_target = ep.lr_path.get(ep.first_target)
         at_first = ep.lr_path.get(ep.first_incident)
-        text = (f"learning rate (param group 0): {_fmt_lr(at_target)} at step {ep.first_target} (restored) -> "
-                f"{_fmt_lr(at_first)} at step {ep.first_incident} (first incident) -> {_fmt_lr(now)} at step {step} (now)")
+        text = (f"learning rate (param group 0): {_fmt_lr(at_target)} at step {ep.run('first_target')} (restored) -> "
+                f"{_fmt_lr(at_first)} at step {ep.run('first_incident')} (first incident) -> {_fmt_lr(now)} at step "
+                f"{run} (now)")
         if self._cut is not None:
             text += f" (earlywarn applies {self.lr_factor:g}x of it)"
         ref = at_target if at_target else at_first
@@ -139,7 +169,7 @@ class Recurrence:
             text += f", {trend}"
             before = ep.lr_path.get(step)
             if before and now > 1.05 * before:
-                text += (f"; the loop's learning rate did not go back with the rewind ({_fmt_lr(now)} at step {step} "
+                text += (f"; the loop's learning rate did not go back with the rewind ({_fmt_lr(now)} at step {run} "
                          f"now, {_fmt_lr(before)} there before): recompute it from ew.step, ew.on_rewind(...) or an "
                          "earlywarn.LoopState in extra_state")
             elif trend == "flat":
@@ -166,8 +196,9 @@ class Recurrence:
                    "the loader moved past the quarantined ones")
             data = (f"on new batches ({how}), so it is not a bad batch: likely the learning rate or another "
                     "hyperparameter")
-        return (f"recurrence: {reason} at step {step}, {since} steps after the rewind to step {ep.last_target} "
-                f"(the first incident: {ep.first_reason} at step {ep.first_incident}), {data}. {self.lr_trend(step)}.")
+        return (f"recurrence: {reason} at step {self.run_step(step)}, {since} steps after the rewind to step "
+                f"{ep.run('last_target')} (the first incident: {ep.first_reason} at step {ep.run('first_incident')}), "
+                f"{data}. {self.lr_trend(step)}.")
 
     def describe_rewinds(self) -> str:
         """The recent rewinds, for a halt message: 'at step 152 (loss_diverged) to step 125, ...'."""
@@ -211,10 +242,14 @@ class Recurrence:
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"episode": None if self.episode is None else self.episode.to_dict(),
-                "lr_cut": None if self._cut is None else list(self._cut)}
+                "lr_cut": None if self._cut is None else list(self._cut),
+                "rewind_log": [list(r) for r in self._log]}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         ep = d.get("episode")
         self.episode = None if ep is None else Episode.from_dict(ep)
         cut = d.get("lr_cut")
         self._cut = None if cut is None else [float(cut[0]), float(cut[1])]
+        if "rewind_log" in d:
+            self._log.clear()
+            self._log.extend((int(i), int(t), str(r)) for i, t, r in d["rewind_log"])
