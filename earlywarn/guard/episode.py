@@ -14,13 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from earlywarn.events import Event, Kind, Level
+from earlywarn.recover.window import within as _within
 
 # non-finite steps are skipped before anything is written: on their own they are no incident
 _SKIPPED_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE, Kind.SCALER_OVERFLOW})
-
-
-def _within(since: int | None, step: int, window: int) -> bool:
-    return since is not None and step - since <= window
 
 
 @dataclass(frozen=True)

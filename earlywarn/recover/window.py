@@ -8,6 +8,12 @@ after ``s`` come again, and the window counts from ``s``.
 from __future__ import annotations
 
 
+def within(since: int | None, step: int, window: int) -> bool:
+    """``step`` is at most ``window`` steps past ``since`` (on the trajectory: a step before
+    ``since``, come again after a rewind, is within it too)."""
+    return since is not None and step - since <= window
+
+
 class CleanWindow:
     """``window``: ``RecoveryConfig.clean_window``. ``since``: the step of recovery's latest
     incident -- a repair, the target of a rewind (the steps after it come again), or poisoned
@@ -23,7 +29,7 @@ class CleanWindow:
 
     def clean(self, step: int) -> bool:
         """A snapshot of ``step`` is clean: more than ``window`` steps past the latest incident."""
-        return self.since is None or step - self.since > self.window
+        return not within(self.since, step, self.window)
 
     def held(self, incident: int, step: int) -> bool:
         """A rewind for the incident at ``incident`` has held at ``step``: the run trained
