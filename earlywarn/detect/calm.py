@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, cusum, loss_diverging, lr_push, lr_signals,
-                                    together)
+                                    spike_threshold, together)
 from earlywarn.detect.state import BIG, N_FIXED, USER_BIT
 from earlywarn.detect.work import Work, cnz
 
@@ -97,9 +97,7 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
             # Below the minimum ratio everywhere is enough (the usual case: 2 calls, not 4).
             _less(dev, k.log_min, ok)  # NaN / inf fail
             if cnz(ok) != n:
-                _multiply(wd, k.spike_width, w.incr_mu)
-                _fmax(w.incr_mu, k.log_min, w.incr_mu)
-                _less(dev, w.incr_mu, ok)
+                _less(dev, spike_threshold(wd, k, w.incr_mu), ok)
                 if cnz(ok) != n:
                     break
         # run-level channels: z, the CUSUMs and the together evidence, in scalars

@@ -16,7 +16,7 @@ import numpy as np
 from earlywarn.detect import messages
 from earlywarn.detect.observation import Observation
 from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, alone_h, cusum, loss_diverging, lr_push,
-                                    lr_signals, together, together_h)
+                                    lr_signals, spike_threshold, together, together_h)
 from earlywarn.detect.state import (BIG, GRAD, LAYERS_BIT, LOSS, LR_BIT, N_FIXED, NAN, PARAM, PATTERN_BITS,
                                     UPDATE, USER_BIT, loss_shift_for)
 from earlywarn.detect.work import Work, cnz
@@ -200,7 +200,7 @@ def deviations(t: Thresholds, w: Work, y: np.ndarray, skipped: bool) -> Deviatio
     warm = w.count >= t.cfg.warmup_steps  # as of before this step
     pw = present & warm
     # elevated: z >= spike_z and a ratio of at least the minimum, i.e. dev >= this threshold
-    elev = pw & (dev >= np.fmax(wd * k.spike_width, k.log_min))
+    elev = pw & (dev >= spike_threshold(wd, k))
     if skipped:
         elev[:] = False  # a skipped step's values are stale or non-finite: not a spike
     zf = [float(v) for v in z[:N_FIXED]]

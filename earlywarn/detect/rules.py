@@ -19,6 +19,14 @@ from earlywarn.detect.config import DetectorConfig
 from earlywarn.detect.state import LOSS, N_FIXED, PARAM, UPDATE
 
 
+# -- a spike ------------------------------------------------------------------------------------
+def spike_threshold(width: np.ndarray, k: "ChannelThresholds", out: np.ndarray | None = None) -> np.ndarray:
+    """The log-deviation at and above which a channel is elevated: ``spike_z`` scales (the
+    width is ``admit_z`` scales) and at least its minimum ratio."""
+    out = np.multiply(width, k.spike_width, out)
+    return np.fmax(out, k.log_min, out)
+
+
 # -- evidence -------------------------------------------------------------------------------------
 def cusum(c: float, z: float, cap: float, k: float) -> float:
     """One step of a one-sided CUSUM: the evidence ``c`` plus this step's ``z`` (winsorised at
@@ -33,9 +41,10 @@ def together(e: float, z_grad: float | None, z_update: float | None, z_loss: flo
              t: "Thresholds") -> tuple[float, float | None]:
     """The together evidence of the gradient and the loss after this step, and this step's
     term: the smaller of the gradient's z and the loss's (both above their baselines when > 0).
-    The evidence is a CUSUM of the terms (as :func:`cusum`, cap ``admit_z``, allowance
-    ``together_k``). The update norm stands in for a gradient norm that is not given, or for a
-    lower one with ``update_warns``. A side missing: no term, the evidence as it was."""
+    The evidence is a CUSUM of the terms, of :func:`cusum`'s form (written out here: this runs
+    on every calm step) with its own cap ``admit_z`` and allowance ``together_k``. The update
+    norm stands in for a gradient norm that is not given, or for a lower one with
+    ``update_warns``. A side missing: no term, the evidence as it was."""
     if z_update is not None and (z_grad is None or (t.update_warns and z_update > z_grad)):
         z_grad = z_update
     if z_grad is None or z_loss is None:
@@ -85,7 +94,8 @@ def lr_signals(lr: float, ring: list[float], pos: int, seen: int, ref: float, t:
     return out
 
 
-def lr_push(lr: float, ring: list[float], pos: int, seen: int, ref: float, t: "Thresholds") -> tuple[int, int, float]:
+def lr_push(lr: float, ring: list[float], pos: int, seen: int, ref: float,
+            t: "Thresholds") -> tuple[int, int, float]:
     """``lr`` into the ring (in place); returns the new ``(pos, seen, ref)``: the LR leaving the
     ring is now ``lr_ref_steps`` back and may raise ``ref``."""
     k = t.lr_ref_steps  # the ring's length
@@ -113,7 +123,7 @@ class ChannelThresholds(NamedTuple):
     may_warn: np.ndarray  # bool: the run-level channels that may escalate or jump into a warning
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Thresholds:
     """The detector's scalar thresholds, derived once from its config (see DetectorConfig for
     each), and its per-channel thresholds by channel layout."""
