@@ -90,32 +90,19 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         _subtract(Y[r], mu, dev)
         _absolute(dev, abs_dev)
         _less(abs_dev, wd, ok)  # within admit_z scales either way; NaN / inf fail
-        clip = cnz(ok) != n
-        if clip:
-            # some channel beyond admit_z: still calm if it is finite and not elevated, i.e.
-            # below max(spike_z * scale, log of the minimum ratio); it enters winsorised.
-            # Below the minimum ratio everywhere is enough (the usual case: 2 calls, not 4).
-            _less(dev, k.log_min, ok)  # NaN / inf fail
-            if cnz(ok) != n:
-                _less(dev, spike_threshold(wd, k, w.incr_mu), ok)
-                if cnz(ok) != n:
-                    break
+        clip = cnz(ok) != n  # some channel beyond admit_z: it enters winsorised, if calm
+        if clip and not _none_elevated(w, k):
+            break
         # run-level channels: z, the CUSUMs and the together evidence, in scalars
         s4, d4 = fixed.tolist()
-        if pattern & 1:
-            zg = d4[0] * A / s4[0]
-            n0 = cusum(c0, zg, S, kd)
-        else:
-            zg, n0 = None, c0
-        if pattern & 2:
-            zl = d4[1] * A / s4[1]
-            if loss_diverging(d4[1], zl, t):
-                break  # the general path counts the steps of a divergence
-            n1 = cusum(c1, zl, S, kd)
-        else:
-            zl, n1 = None, c1
+        zg = d4[0] * A / s4[0] if pattern & 1 else None
+        zl = d4[1] * A / s4[1] if pattern & 2 else None
+        if zl is not None and loss_diverging(d4[1], zl, t):
+            break  # the general path counts the steps of a divergence
+        n0 = c0 if zg is None else cusum(c0, zg, S, kd)
+        n1 = c1 if zl is None else cusum(c1, zl, S, kd)
         zu, n2, n3 = None, c2, c3
-        if pattern & 12:
+        if pattern & 12:  # the update and param norms (rarely logged)
             if pattern & 4:
                 zu = d4[2] * A / s4[2]
                 n2 = cusum(c2, zu, S, kd)
@@ -124,19 +111,15 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         if uon:
             nuc, uhit = _user_cusums(t, w, uc, pattern)
         nj = together(joint, zg, zu, zl, t)[0]
-        h_together = h_flat
-        if lrs is not None:
-            lr = lrs[r]
-            said = lr_signals(lr, ring, lpos, seen, lref, t)
-            if said & LR_JUMPED:
-                break  # the LR jumped beyond what the run has survived: a warning
-            if said & LR_RISING:
-                h_together = h_rise
+        said = 0 if lrs is None else lr_signals(lrs[r], ring, lpos, seen, lref, t)
+        if said & LR_JUMPED:
+            break  # the LR jumped beyond what the run has survived: a warning
+        h_together = h_rise if said & LR_RISING else h_flat
         if (nj >= h_together or n0 >= h_grad or n1 >= h_loss or n2 >= h_update or n3 >= h_param
                 or (uon and uhit)):
             break  # a warning may be due: the general path decides and words it
         if lrs is not None:
-            lpos, seen, lref = lr_push(lr, ring, lpos, seen, lref, t)
+            lpos, seen, lref = lr_push(lrs[r], ring, lpos, seen, lref, t)
         # commit: both EMAs as one stacked multiply-add (see Work)
         if clip:
             # clip(dev, +-width) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
@@ -171,6 +154,17 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         w.level = 0
         w.score_cap = False
     return r
+
+
+def _none_elevated(w: Work, k) -> bool:
+    """No channel elevated: every deviation finite and below the spike threshold. Below the
+    minimum ratio everywhere is enough (the usual case: 2 calls, not 4)."""
+    dev, ok, n = w.dev, w.ok, w.n
+    _less(dev, k.log_min, ok)  # NaN / inf fail
+    if cnz(ok) == n:
+        return True
+    _less(dev, spike_threshold(w.width, k, w.incr_mu), ok)
+    return cnz(ok) == n
 
 
 def _user_cusums(t: Thresholds, w: Work, uc: list[float], pattern: int) -> tuple[list[float], bool]:
