@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, cusum, loss_diverging, lr_push, lr_signals,
-                                    spike_threshold, together)
+from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, ChannelThresholds, Thresholds, cusum, loss_diverging, lr_push,
+                                    lr_signals, spike_threshold, together)
 from earlywarn.detect.state import BIG, N_FIXED, USER_BIT
 from earlywarn.detect.work import Work, cnz
 
@@ -156,7 +156,7 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
     return r
 
 
-def _none_elevated(w: Work, k) -> bool:
+def _none_elevated(w: Work, k: ChannelThresholds) -> bool:
     """No channel elevated: every deviation finite and below the spike threshold. Below the
     minimum ratio everywhere is enough (the usual case: 2 calls, not 4)."""
     dev, ok, n = w.dev, w.ok, w.n
