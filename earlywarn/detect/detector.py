@@ -228,6 +228,7 @@ class Detector:
     _step = step  # the per-row step of step_columns (tests wrap it to count the rows it takes)
 
     def _general(self, w: Work, obs: Observation, pattern: int) -> list[Event]:
+        """The general path (a method: tests wrap it to count the steps that take it)."""
         return general_step(self.thresholds, w, obs, pattern)
 
     def step_columns(self, w: Work, cols: StepColumns, start: int, stop: int) -> list[tuple[int, Event]]:
