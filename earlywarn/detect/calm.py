@@ -78,8 +78,8 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
     vectors was changed for it."""
     dev, abs_dev, ok, n, k, mu, wd, fixed = w.dev, w.abs_dev, w.ok, w.n, w.consts, w.baseline, w.width, w.fixed_wd
     S, kd, A = t.spike_z, t.drift_k, t.admit_z
-    h_grad, h_loss, h_update, h_param = w.alone_h  # the thresholds under this pattern (see Work.refresh)
-    h_flat, h_rise = w.together_h
+    h_grad, h_loss, h_update, h_param = w.h_alone  # the thresholds under this pattern (see Work.refresh)
+    h_flat, h_rise = w.h_together
     c0, c1, c2, c3 = w.cusums[:N_FIXED]
     uc = w.cusums[N_FIXED:]  # the user signals' CUSUMs ([] without any)
     uon = pattern >= USER_BIT  # some user signal given

@@ -15,8 +15,8 @@ import numpy as np
 
 from earlywarn.detect import messages
 from earlywarn.detect.observation import Observation
-from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, alone_h, cusum, loss_diverging, lr_push,
-                                    lr_signals, spike_threshold, together, together_h)
+from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, alone_thresholds, cusum, loss_diverging,
+                                    lr_push, lr_signals, spike_threshold, together, together_threshold)
 from earlywarn.detect.state import (BIG, GRAD, LAYERS_BIT, LOSS, LR_BIT, N_FIXED, NAN, PARAM, PATTERN_BITS,
                                     UPDATE, USER_BIT, loss_shift_for)
 from earlywarn.detect.work import Work, cnz
@@ -369,7 +369,8 @@ def episode_ends(w: Work, obs: Observation) -> list[Event]:
 def warn(t: Thresholds, w: Work, obs: Observation, pattern: int, d: Deviations, v: Values, ev: Evidence,
          lr: Lr, prev_run: list[float]) -> Event | None:
     """The COLLAPSE_RISK event of this step, if a warning rule holds."""
-    chosen = choose_warning(t, w, d, ev, together_h(t, bool(pattern & LR_BIT), lr.rising), pattern, lr, v.user_bad)
+    h_together = together_threshold(t, bool(pattern & LR_BIT), lr.rising)
+    chosen = choose_warning(t, w, d, ev, h_together, pattern, lr, v.user_bad)
     if chosen is None:
         return None
     w.ep_warned = True
@@ -413,8 +414,8 @@ def choose_warning(t: Thresholds, w: Work, d: Deviations, ev: Evidence, h_togeth
     jump."""
     cfg, k, le, cus = t.cfg, w.consts, w.layers_end, ev.cusums
     elev, dev = d.elevated, d.dev
-    hg, hl, hu, hp = alone_h(t, pattern)
-    alone = [c for c, h in ((GRAD, hg), (UPDATE, hu), (LOSS, hl), (PARAM, hp)) if cus[c] >= h]
+    h = alone_thresholds(t, pattern)
+    alone = [c for c, hc in ((GRAD, h.grad), (UPDATE, h.update), (LOSS, h.loss), (PARAM, h.param)) if cus[c] >= hc]
     alone += [le + i for i in range(w.n_users) if cus[N_FIXED + i] >= t.user_alone_h]
     if not (ev.joint >= h_together or alone or cnz(elev) or lr.jump or user_bad):
         return None

@@ -55,7 +55,7 @@ def together(e: float, z_grad: float | None, z_update: float | None, z_loss: flo
     return (v if v > 0.0 else 0.0), m
 
 
-def together_h(t: "Thresholds", lr_known: bool, lr_rising: bool) -> float:
+def together_threshold(t: "Thresholds", lr_known: bool, lr_rising: bool) -> float:
     """The together evidence that warns: lower while the LR climbs (a run crosses its stability
     edge as its LR rises), its own where no LR is known."""
     if lr_rising:
@@ -63,11 +63,19 @@ def together_h(t: "Thresholds", lr_known: bool, lr_rising: bool) -> float:
     return t.drift_h if lr_known else t.no_lr_h
 
 
-def alone_h(t: "Thresholds", pattern: int) -> tuple[float, float, float, float]:
+class AloneThresholds(NamedTuple):
+    grad: float
+    loss: float
+    update: float
+    param: float
+
+
+def alone_thresholds(t: "Thresholds", pattern: int) -> AloneThresholds:
     """The CUSUM that warns for the grad norm, the loss, the update and the param norm rising
     alone (a user signal: ``user_alone_h``). The loss of a log without any gradient signal
     (no grad or update norm in ``pattern``) has its own, lower one."""
-    return t.alone_h, t.alone_h if pattern & 5 else t.loss_only_h, t.update_alone_h, t.update_alone_h
+    h = t.drift_alone_h
+    return AloneThresholds(h, h if pattern & 5 else t.loss_only_h, t.update_alone_h, t.update_alone_h)
 
 
 def loss_diverging(dev: float, z: float, t: "Thresholds") -> bool:
@@ -137,7 +145,7 @@ class Thresholds:
     drift_h: float
     rise_h: float  # the together threshold while the LR climbs
     no_lr_h: float  # ... and where no LR is known
-    alone_h: float
+    drift_alone_h: float
     loss_only_h: float
     update_alone_h: float  # inf unless update_warns
     user_alone_h: float
@@ -158,7 +166,7 @@ class Thresholds:
             cfg=c, admit_z=float(c.admit_z), spike_z=float(c.spike_z), drift_k=float(c.drift_k),
             together_k=float(c.together_k), together_cap=float(c.admit_z), drift_h=float(c.drift_h),
             rise_h=float(c.drift_h) * float(c.lr_rise_factor), no_lr_h=float(c.drift_h) * float(c.no_lr_factor),
-            alone_h=float(c.drift_alone_h), loss_only_h=float(c.loss_only_h),
+            drift_alone_h=float(c.drift_alone_h), loss_only_h=float(c.loss_only_h),
             update_alone_h=float(c.update_alone_h) if c.update_warns else math.inf,
             user_alone_h=float(c.user_alone_h), update_warns=bool(c.update_warns),
             log_diverge=math.log(c.loss_diverge_ratio), diverge_z=float(c.loss_diverge_z),

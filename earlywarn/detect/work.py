@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from earlywarn.detect.rules import Thresholds, alone_h, together_h
+from earlywarn.detect.rules import Thresholds, alone_thresholds, together_threshold
 from earlywarn.detect.state import (COUNT, CUSUM, GROW, LAYERS_BIT, LR_BIT, MU, N_FIXED, N_ROWS, PATTERN_BITS, PREV,
                                     SCALARS, SCALE, STREAK, USER, USER_BIT, WIDTH, DetectorState)
 
@@ -41,7 +41,7 @@ class Work:
         "logv", "logv_row", "logv_layers",
         # the calm path's EMA rates and rule thresholds under the current pattern (see refresh),
         # the per-channel thresholds, scratch (incr: the EMA increments)
-        "rates", "keep", "alone_h", "together_h", "consts", "incr", "incr_mu", "incr_width", "ok", "layers_ok",
+        "rates", "keep", "h_alone", "h_together", "consts", "incr", "incr_mu", "incr_width", "ok", "layers_ok",
         "z_scratch",
         # layers present under the pattern (a layer reporting 0 is absent) and how many
         "layer_present", "n_present",
@@ -137,8 +137,8 @@ class Work:
     def refresh(self, t: Thresholds) -> None:
         """What the calm path assumes, derived from the state: its EMA rates (steady rates for
         the mature channels given under the current pattern, 0 elsewhere), the thresholds of
-        the rules under that pattern (rules.alone_h, rules.together_h: flat or unknown LR, then
-        rising), and absent channels' log-values parked on their baseline (so their deviation
+        the rules under that pattern (rules.alone_thresholds; rules.together_threshold with a flat
+        or unknown LR, then a rising one), and absent channels' log-values parked on their baseline (so their deviation
         is exactly 0)."""
         cfg = t.cfg
         expected = self.expected()
@@ -150,8 +150,8 @@ class Work:
         np.subtract(1.0, b, out=self.keep[1])
         self.consts = t.per_channel(self.n, self.layers_end)
         pattern = max(self.pattern, 0)
-        self.alone_h = alone_h(t, pattern)
-        self.together_h = (together_h(t, bool(pattern & LR_BIT), False), together_h(t, True, True))
+        self.h_alone = alone_thresholds(t, pattern)
+        self.h_together = (together_threshold(t, bool(pattern & LR_BIT), False), together_threshold(t, True, True))
         np.copyto(self.logv, self.baseline, where=~expected)
 
     def new_users(self, extras) -> list[str]:
