@@ -105,10 +105,20 @@ def replay(cols, names, baseline) -> dict:
             "digest": hashlib.sha256(blob).hexdigest()}
 
 
+def _dumps(got: dict) -> str:
+    """JSON with one alert per line (a rule change shows as a readable diff)."""
+    cases = []
+    for name, v in got.items():
+        alerts = ",\n".join(f"   {json.dumps(a)}" for a in v["alerts"])
+        cases.append(f' {json.dumps(name)}: {{\n  "digest": {json.dumps(v["digest"])},\n'
+                     f'  "alerts": [{chr(10) + alerts + chr(10) + "  " if alerts else ""}]\n }}')
+    return "{\n" + ",\n".join(cases) + "\n}\n"
+
+
 def main(argv: list[str]) -> int:
     got = {name: replay(*case) for name, case in cases().items()}
     if "--update" in argv:
-        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+        GOLDEN.write_text(_dumps(got))
         print(f"wrote {GOLDEN}: " + ", ".join(f"{k}: {len(v['alerts'])} alerts" for k, v in got.items()))
         return 0
     want = json.loads(GOLDEN.read_text())
