@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, ChannelThresholds, Thresholds, cusum, loss_diverging, lr_push,
-                                    lr_signals, spike_threshold, together)
+from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, cusum, loss_diverging, lr_push, lr_signals,
+                                    spike_threshold, together)
 from earlywarn.detect.state import BIG, N_FIXED, USER_BIT
 from earlywarn.detect.work import Work, cnz
 
@@ -75,8 +75,14 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
     and > 0), with ``steps[r]`` the step of row ``r`` and ``lrs[r]`` its learning rate (finite,
     >= 0) when the pattern has one. Commits rows while they are calm and returns the first row
     that is not (``r1`` if all were): that row needs the general path, and nothing but scratch
-    vectors was changed for it."""
+    vectors was changed for it.
+
+    The one long function of the detector: it runs once per calm step (~6 us), where each
+    extra Python call costs ~1%; the rules it applies are rules.py's, as the general path's."""
     dev, abs_dev, ok, n, k, mu, wd, fixed = w.dev, w.abs_dev, w.ok, w.n, w.consts, w.baseline, w.width, w.fixed_wd
+    log_min, min_scale = k.log_min, k.min_scale
+    ema, keep, rates, ema_in = w.ema, w.keep, w.rates, w.ema_in
+    incr, incr_mu, incr_width = w.incr, w.incr_mu, w.incr_width
     S, kd, A = t.spike_z, t.drift_k, t.admit_z
     h_grad, h_loss, h_update, h_param = w.h_alone  # the thresholds under this pattern (see Work.refresh)
     h_flat, h_rise = w.h_together
@@ -90,9 +96,16 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         _subtract(Y[r], mu, dev)
         _absolute(dev, abs_dev)
         _less(abs_dev, wd, ok)  # within admit_z scales either way; NaN / inf fail
-        clip = cnz(ok) != n  # some channel beyond admit_z: it enters winsorised, if calm
-        if clip and not _none_elevated(w, k):
-            break
+        clip = cnz(ok) != n
+        if clip:
+            # some channel beyond admit_z: still calm if it is finite and not elevated (below
+            # rules.spike_threshold); it enters winsorised. Below the minimum ratio everywhere
+            # is enough (the usual case: 2 calls, not 4).
+            _less(dev, log_min, ok)  # NaN / inf fail
+            if cnz(ok) != n:
+                _less(dev, spike_threshold(wd, k, incr_mu), ok)
+                if cnz(ok) != n:
+                    break
         # run-level channels: z, the CUSUMs and the together evidence, in scalars
         s4, d4 = fixed.tolist()
         zg = d4[0] * A / s4[0] if pattern & 1 else None
@@ -108,32 +121,36 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
                 n2 = cusum(c2, zu, S, kd)
             if pattern & 8:
                 n3 = cusum(c3, d4[3] * A / s4[3], S, kd)
-        if uon:
-            nuc, uhit = _user_cusums(t, w, uc, pattern)
+        uhit = False
+        if uon:  # the user signals' CUSUMs, as the fixed channels'
+            su, du = w.user_wd.tolist()
+            nuc = uc[:]
+            for i in range(len(nuc)):
+                if pattern & (USER_BIT << i):
+                    nuc[i] = cusum(nuc[i], du[i] * A / su[i], S, kd)
+                    if nuc[i] >= t.user_alone_h:
+                        uhit = True
         nj = together(joint, zg, zu, zl, t)[0]
         said = 0 if lrs is None else lr_signals(lrs[r], ring, lpos, seen, lref, t)
         if said & LR_JUMPED:
             break  # the LR jumped beyond what the run has survived: a warning
         h_together = h_rise if said & LR_RISING else h_flat
-        if (nj >= h_together or n0 >= h_grad or n1 >= h_loss or n2 >= h_update or n3 >= h_param
-                or (uon and uhit)):
+        if nj >= h_together or n0 >= h_grad or n1 >= h_loss or n2 >= h_update or n3 >= h_param or uhit:
             break  # a warning may be due: the general path decides and words it
         if lrs is not None:
             lpos, seen, lref = lr_push(lrs[r], ring, lpos, seen, lref, t)
         # commit: both EMAs as one stacked multiply-add (see Work)
         if clip:
             # clip(dev, +-width) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
-            P1 = w.incr_width
-            _fmin(abs_dev, wd, P1)
-            _copysign(P1, dev, w.incr_mu)
-            _fmax(P1, k.min_scale, P1)
-            _multiply(w.incr, w.rates, w.incr)
+            _fmin(abs_dev, wd, incr_width)
+            _copysign(incr_width, dev, incr_mu)
+            _fmax(incr_width, min_scale, incr_width)
+            _multiply(incr, rates, incr)
         else:
-            _fmax(abs_dev, k.min_scale, abs_dev)
-            _multiply(w.ema_in, w.rates, w.incr)
-        ema = w.ema
-        _multiply(ema, w.keep, ema)
-        _add(ema, w.incr, ema)
+            _fmax(abs_dev, min_scale, abs_dev)
+            _multiply(ema_in, rates, incr)
+        _multiply(ema, keep, ema)
+        _add(ema, incr, ema)
         c0 = n0  # (one assignment each: cheaper than a 5-tuple)
         c1 = n1
         c2 = n2
@@ -154,29 +171,3 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         w.level = 0
         w.score_cap = False
     return r
-
-
-def _none_elevated(w: Work, k: ChannelThresholds) -> bool:
-    """No channel elevated: every deviation finite and below the spike threshold. Below the
-    minimum ratio everywhere is enough (the usual case: 2 calls, not 4)."""
-    dev, ok, n = w.dev, w.ok, w.n
-    _less(dev, k.log_min, ok)  # NaN / inf fail
-    if cnz(ok) == n:
-        return True
-    _less(dev, spike_threshold(w.width, k, w.incr_mu), ok)
-    return cnz(ok) == n
-
-
-def _user_cusums(t: Thresholds, w: Work, uc: list[float], pattern: int) -> tuple[list[float], bool]:
-    """The user signals' CUSUMs after this row (as the fixed channels'), and whether one
-    reached ``user_alone_h`` (a warning may be due)."""
-    su, du = w.user_wd.tolist()
-    nuc = uc[:]
-    S, kd, A, h = t.spike_z, t.drift_k, t.admit_z, t.user_alone_h
-    hit = False
-    for i in range(len(nuc)):
-        if pattern & (USER_BIT << i):
-            nuc[i] = cusum(nuc[i], du[i] * A / su[i], S, kd)
-            if nuc[i] >= h:
-                hit = True
-    return nuc, hit

@@ -117,6 +117,7 @@ def replay_columns(t: Thresholds, w: Work, cols: StepColumns, start: int, stop: 
         b = min(T, a + CHUNK_ROWS)
         shift = w.loss_shift
         Y, okc = _chunk_log_values(w, rows, a, b)
+        Y_rows = list(Y)  # the rows as views, made at once (cheaper than Y[r] per calm row)
         # runs of rows that may be calm under one pattern and one set of zero layers:
         # run_end[r] is where r's run ends
         m = b - a
@@ -139,7 +140,7 @@ def replay_columns(t: Thresholds, w: Work, cols: StepColumns, start: int, stop: 
                     and (not (patl[r] & LAYERS_BIT) or (np.array_equal(zero[a + r], ~w.layer_present) if zl[r]
                                                          else w.n_present == nl))):
                 e = run_end[r]
-                r = calm_rows(t, w, Y, r, e, patl[r], stepl, lrl if patl[r] & LR_BIT else None)
+                r = calm_rows(t, w, Y_rows, r, e, patl[r], stepl, lrl if patl[r] & LR_BIT else None)
                 if r == e:
                     continue
             i = start + a + r

@@ -176,9 +176,13 @@ class Detector:
             if lr is not None:
                 pattern |= LR_BIT
             if w.n_users and len(ex) > (u is not None) + (p is not None) + (loss_scale is not None) + (lr is not None):
-                users = _user_values(w, ex)
-                for c, _ in users:
-                    pattern |= USER_BIT << (c - w.layers_end)
+                users = []  # (channel, value) of the user signals given
+                le = w.layers_end
+                for i, name in enumerate(w.channels[le:]):
+                    v = ex.get(name)
+                    if v is not None:
+                        pattern |= USER_BIT << i
+                        users.append((le + i, v))
         nl = w.n_layers
         if ln is not None and nl:
             if len(ln) != nl:
@@ -235,12 +239,6 @@ class Detector:
         """Rows ``[start, stop)`` of ``cols``, in place, exactly as one :meth:`step` per row (same
         state, same alerts), as ``(row, alert)`` pairs; calm rows skip the Observation."""
         return replay_columns(self.thresholds, w, cols, start, stop, self._step, calm=not self._force_full)
-
-
-def _user_values(w: Work, ex: Mapping[str, float]) -> list[tuple[int, float]]:
-    """``(channel, value)`` of the user signals ``ex`` gives."""
-    le = w.layers_end
-    return [(le + i, ex[name]) for i, name in enumerate(w.channels[le:]) if ex.get(name) is not None]
 
 
 class StreamingDetector:

@@ -109,7 +109,11 @@ def general_step(t: Thresholds, w: Work, obs: Observation, pattern: int) -> list
     if w.episode and not moved and not bad.skipped and d.present[w.ep_peak_chan]:
         alerts += episode_ends(w, obs)
     commit(t, w, obs, pattern, bad, d, ev, since, hot)
-    w.level = int(max((a.level for a in alerts), default=Level.NONE))
+    level = Level.NONE
+    for a in alerts:
+        if a.level > level:
+            level = a.level
+    w.level = int(level)
     return alerts
 
 
