@@ -43,16 +43,6 @@ def calm_update_values(w: Work, u: float | None, p: float | None) -> bool:
     return True
 
 
-def calm_user_values(w: Work, users: list[tuple[int, float]]) -> bool:
-    """The user signals given, as ``(channel, value)`` (finite and > 0)."""
-    y = w.logv
-    for c, v in users:
-        if not v > 0.0:
-            return False
-        y[c] = _log(v)
-    return True
-
-
 def calm_frozen_layers(w: Work, ln: np.ndarray, nz: int) -> bool:
     """Layer norms of which ``nz`` are not 0: layers reporting 0 are absent (a frozen layer),
     calm only if they are the same ones as last step (their values stay parked on the
@@ -79,18 +69,36 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
 
     The one long function of the detector: it runs once per calm step (~6 us), where each
     extra Python call costs ~1%; the rules it applies are rules.py's, as the general path's."""
-    dev, abs_dev, ok, n, k, mu, wd, fixed = w.dev, w.abs_dev, w.ok, w.n, w.consts, w.baseline, w.width, w.fixed_wd
-    log_min, min_scale = k.log_min, k.min_scale
-    ema, keep, rates, ema_in = w.ema, w.keep, w.rates, w.ema_in
-    incr, incr_mu, incr_width = w.incr, w.incr_mu, w.incr_width
+    dev = w.dev
+    abs_dev = w.abs_dev
+    ok = w.ok
+    n = w.n
+    k = w.consts
+    mu = w.baseline
+    wd = w.width
+    fixed = w.fixed_wd
+    ema = w.ema
+    keep = w.keep
+    rates = w.rates
+    incr = w.incr
+    min_scale = k.min_scale
     S, kd, A = t.spike_z, t.drift_k, t.admit_z
     h_grad, h_loss, h_update, h_param = w.h_alone  # the thresholds under this pattern (see Work.refresh)
     h_flat, h_rise = w.h_together
-    c0, c1, c2, c3 = w.cusums[:N_FIXED]
-    uc = w.cusums[N_FIXED:]  # the user signals' CUSUMs ([] without any)
+    cus = w.cusums  # the fixed channels' CUSUMs, then the user signals'
+    c0 = cus[0]
+    c1 = cus[1]
+    c2 = cus[2]
+    c3 = cus[3]
     uon = pattern >= USER_BIT  # some user signal given
+    if uon:
+        uc = cus[N_FIXED:]
+        h_user = t.user_alone_h
     joint = w.joint
-    ring, lpos, seen, lref = w.lr_ring, w.lr_pos, w.lr_n, w.lr_ref
+    ring = w.lr_ring
+    lpos = w.lr_pos
+    seen = w.lr_n
+    lref = w.lr_ref
     r = r0
     while r < r1:
         _subtract(Y[r], mu, dev)
@@ -101,9 +109,9 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
             # some channel beyond admit_z: still calm if it is finite and not elevated (below
             # rules.spike_threshold); it enters winsorised. Below the minimum ratio everywhere
             # is enough (the usual case: 2 calls, not 4).
-            _less(dev, log_min, ok)  # NaN / inf fail
+            _less(dev, k.log_min, ok)  # NaN / inf fail
             if cnz(ok) != n:
-                _less(dev, spike_threshold(wd, k, incr_mu), ok)
+                _less(dev, spike_threshold(wd, k, w.incr_mu), ok)
                 if cnz(ok) != n:
                     break
         # run-level channels: z, the CUSUMs and the together evidence, in scalars
@@ -128,7 +136,7 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
             for i in range(len(nuc)):
                 if pattern & (USER_BIT << i):
                     nuc[i] = cusum(nuc[i], du[i] * A / su[i], S, kd)
-                    if nuc[i] >= t.user_alone_h:
+                    if nuc[i] >= h_user:
                         uhit = True
         nj = together(joint, zg, zu, zl, t)[0]
         said = 0 if lrs is None else lr_signals(lrs[r], ring, lpos, seen, lref, t)
@@ -142,13 +150,14 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         # commit: both EMAs as one stacked multiply-add (see Work)
         if clip:
             # clip(dev, +-width) as |dev| capped with dev's sign (exactly fmin(fmax(dev, -wd), wd))
-            _fmin(abs_dev, wd, incr_width)
-            _copysign(incr_width, dev, incr_mu)
-            _fmax(incr_width, min_scale, incr_width)
+            P1 = w.incr_width
+            _fmin(abs_dev, wd, P1)
+            _copysign(P1, dev, w.incr_mu)
+            _fmax(P1, min_scale, P1)
             _multiply(incr, rates, incr)
         else:
             _fmax(abs_dev, min_scale, abs_dev)
-            _multiply(ema_in, rates, incr)
+            _multiply(w.ema_in, rates, incr)
         _multiply(ema, keep, ema)
         _add(ema, incr, ema)
         c0 = n0  # (one assignment each: cheaper than a 5-tuple)
@@ -160,9 +169,16 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
             uc = nuc
         r += 1
     if r > r0:
-        w.cusums = [c0, c1, c2, c3] + uc if uc else [c0, c1, c2, c3]
+        cus[0] = c0
+        cus[1] = c1
+        cus[2] = c2
+        cus[3] = c3
+        if uon:
+            cus[N_FIXED:] = uc
         w.joint = joint
-        w.lr_pos, w.lr_n, w.lr_ref = lpos, seen, lref
+        w.lr_pos = lpos
+        w.lr_n = seen
+        w.lr_ref = lref
         w.step = steps[r - 1]
         w.has_dev = True
         w.dev_nan = False

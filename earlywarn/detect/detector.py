@@ -55,7 +55,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from earlywarn.detect.calm import calm_frozen_layers, calm_rows, calm_update_values, calm_user_values
+from earlywarn.detect.calm import calm_frozen_layers, calm_rows, calm_update_values
 from earlywarn.detect.columns import replay_columns
 from earlywarn.detect.config import DetectorConfig
 from earlywarn.detect.general import general_step
@@ -72,7 +72,6 @@ from earlywarn.events import Event, Level
 _log, _np_log = math.log, np.log
 _F64DT = np.dtype(np.float64)
 _LEVELS = tuple(Level(i) for i in range(max(Level) + 1))
-_PLAIN_EXTRAS = frozenset(("update_norm", "param_norm", "loss_scale", "lr"))  # extras that are no user signal
 _divide = np.divide
 
 
@@ -206,8 +205,13 @@ class Detector:
             if not lv > 0.0:
                 return self._general(w, obs, pattern)
             y[1] = _log(lv)
-        if (pattern & 12 and not calm_update_values(w, u, p)) or (users and not calm_user_values(w, users)):
+        if pattern & 12 and not calm_update_values(w, u, p):
             return self._general(w, obs, pattern)
+        if users:
+            for c, v in users:
+                if not v > 0.0:
+                    return self._general(w, obs, pattern)
+                y[c] = _log(v)
         if pattern & LAYERS_BIT:
             nz = cnz(ln)
             if nz == nl and w.n_present == nl:
@@ -276,7 +280,7 @@ class StreamingDetector:
                 self._lazy = False  # a run without layer norms stays without them
             return alerts
         ex = obs.extras
-        if ex and not _PLAIN_EXTRAS.issuperset(ex):  # (a cheap test first: a calm step is ~6 us)
+        if ex and not self._w.known_extras.issuperset(ex):  # (a cheap test first: a calm step is ~6 us)
             us = self._w.user_set
             for key in ex:
                 if key.startswith(USER) and key not in us:

@@ -117,9 +117,10 @@ def lr_push(lr: float, ring: list[float], pos: int, seen: int, ref: float,
 
 
 # -- thresholds ---------------------------------------------------------------------------------
-class ChannelThresholds(NamedTuple):
+@dataclass(frozen=True, slots=True, eq=False)
+class ChannelThresholds:
     """Per-channel thresholds as arrays over the channels (array compares are cheaper than
-    scalar ones)."""
+    scalar ones). Slots: the calm path reads them every step."""
 
     log_min: np.ndarray  # log of the minimum ratio to count as elevated
     log_growth: np.ndarray  # log growth factor of an escalation

@@ -27,6 +27,7 @@ N_ROWS = 8
 # LR, then one bit per user signal from USER_BIT up (the next ones: 128, 256, ...)
 PATTERN_BITS = ((1, GRAD), (2, LOSS), (4, UPDATE), (8, PARAM))
 LAYERS_BIT, LR_BIT, USER_BIT = 16, 32, 64
+EXTRAS = ("update_norm", "param_norm", "loss_scale", "lr")  # the Observation.extras the detector reads by name
 SCORE_CAP = 1000.0  # score of a non-finite step (metrics backends dislike inf)
 STATE_VERSION = 3
 BIG = 1 << 30  # "never" for step counters

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from earlywarn.detect.rules import Thresholds, alone_thresholds, together_threshold
-from earlywarn.detect.state import (COUNT, CUSUM, GROW, LAYERS_BIT, LR_BIT, MU, N_FIXED, N_ROWS, PATTERN_BITS, PREV,
-                                    SCALARS, SCALE, STREAK, USER, USER_BIT, WIDTH, DetectorState)
+from earlywarn.detect.state import (COUNT, CUSUM, EXTRAS, GROW, LAYERS_BIT, LR_BIT, MU, N_FIXED, N_ROWS,
+                                    PATTERN_BITS, PREV, SCALARS, SCALE, STREAK, USER, USER_BIT, WIDTH,
+                                    DetectorState)
 
 try:  # the C function itself: np.count_nonzero adds a Python wrapper and a dispatcher per call
     from numpy._core._multiarray_umath import count_nonzero as cnz
@@ -29,7 +30,7 @@ class Work:
     __slots__ = (
         # layout: the four fixed channels, the layers, then the user signals (run-level, like the
         # fixed ones: CUSUMs, escalation, spikes)
-        "channels", "n", "n_layers", "layers_end", "n_users", "user_set",
+        "channels", "n", "n_layers", "layers_end", "n_users", "user_set", "known_extras",
         # [baseline; width; dev; |dev|] in one (4, n) block and its views: the run-level widths
         # and deviations are one (2, 4) view, read with one tolist()
         "block", "ema", "baseline", "width", "ema_in", "dev", "abs_dev", "fixed_wd", "user_wd",
@@ -58,6 +59,7 @@ class Work:
         self.n_layers = n - N_FIXED - nu
         self.layers_end = N_FIXED + self.n_layers
         self.user_set = frozenset(channels[self.layers_end:])
+        self.known_extras = self.user_set | frozenset(EXTRAS)  # extras keys that add no channel
         self.block = np.zeros((4, n))
         self.ema, self.ema_in = self.block[0:2], self.block[2:4]
         self.baseline, self.width = self.ema[0], self.ema[1]
