@@ -69,36 +69,23 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
 
     The one long function of the detector: it runs once per calm step (~6 us), where each
     extra Python call costs ~1%; the rules it applies are rules.py's, as the general path's."""
-    dev = w.dev
-    abs_dev = w.abs_dev
-    ok = w.ok
-    n = w.n
-    k = w.consts
-    mu = w.baseline
-    wd = w.width
-    fixed = w.fixed_wd
-    ema = w.ema
-    keep = w.keep
-    rates = w.rates
+    # (assignments in threes: Python swaps up to three values without building a tuple)
+    dev, abs_dev, ok = w.dev, w.abs_dev, w.ok
+    n, k, fixed = w.n, w.consts, w.fixed_wd
+    mu, wd, min_scale = w.baseline, w.width, w.consts.min_scale
+    ema, keep, rates = w.ema, w.keep, w.rates
     incr = w.incr
-    min_scale = k.min_scale
     S, kd, A = t.spike_z, t.drift_k, t.admit_z
     h_grad, h_loss, h_update, h_param = w.h_alone  # the thresholds under this pattern (see Work.refresh)
     h_flat, h_rise = w.h_together
-    cus = w.cusums  # the fixed channels' CUSUMs, then the user signals'
-    c0 = cus[0]
-    c1 = cus[1]
-    c2 = cus[2]
-    c3 = cus[3]
+    cus = w.cusums  # the fixed channels' CUSUMs, then the user signals' (updated in place)
+    c0, c1, c2 = cus[0], cus[1], cus[2]
+    c3, joint = cus[3], w.joint
     uon = pattern >= USER_BIT  # some user signal given
     if uon:
-        uc = cus[N_FIXED:]
-        h_user = t.user_alone_h
-    joint = w.joint
-    ring = w.lr_ring
-    lpos = w.lr_pos
-    seen = w.lr_n
-    lref = w.lr_ref
+        uc, h_user = cus[N_FIXED:], t.user_alone_h
+    ring, lpos = w.lr_ring, w.lr_pos
+    seen, lref = w.lr_n, w.lr_ref
     r = r0
     while r < r1:
         _subtract(Y[r], mu, dev)
@@ -160,25 +147,17 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
             _multiply(w.ema_in, rates, incr)
         _multiply(ema, keep, ema)
         _add(ema, incr, ema)
-        c0 = n0  # (one assignment each: cheaper than a 5-tuple)
-        c1 = n1
-        c2 = n2
-        c3 = n3
-        joint = nj
+        c0, c1, c2 = n0, n1, n2
+        c3, joint = n3, nj
         if uon:
             uc = nuc
         r += 1
     if r > r0:
-        cus[0] = c0
-        cus[1] = c1
-        cus[2] = c2
-        cus[3] = c3
+        cus[0], cus[1], cus[2] = c0, c1, c2
+        cus[3], w.joint = c3, joint
         if uon:
             cus[N_FIXED:] = uc
-        w.joint = joint
-        w.lr_pos = lpos
-        w.lr_n = seen
-        w.lr_ref = lref
+        w.lr_pos, w.lr_n, w.lr_ref = lpos, seen, lref
         w.step = steps[r - 1]
         w.has_dev = True
         w.dev_nan = False
