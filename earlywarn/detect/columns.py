@@ -118,10 +118,15 @@ def replay_columns(t: Thresholds, w: Work, cols: StepColumns, start: int, stop: 
         shift = w.loss_shift
         Y, okc = _chunk_log_values(w, rows, a, b)
         Y_rows = list(Y)  # the rows as views, made at once (cheaper than Y[r] per calm row)
+        # after a row that took the step, the rest of the chunk is parked again; a signal absent
+        # on every row of the chunk keeps its baseline (nothing updates it) and stays parked
+        absent = [(c, ab) for c, ab in rows.absent if not ab[a:b].all()]
+        no_layers = rows.no_layers if rows.no_layers is not None and not rows.no_layers[a:b].all() else None
+        zero = rows.zero if rows.zero is not None and rows.zero[a:b].any() else None  # (none in this chunk)
         # runs of rows that may be calm under one pattern and one set of zero layers:
         # run_end[r] is where r's run ends
         m = b - a
-        pat, zero = rows.pattern, rows.zero
+        pat = rows.pattern
         brk = ~okc
         brk[1:] |= pat[a + 1:b] != pat[a:b - 1]
         if zero is not None:
@@ -151,7 +156,7 @@ def replay_columns(t: Thresholds, w: Work, cols: StepColumns, start: int, stop: 
                 nxt = a + r
                 break
             if r < m:
-                _park(w, rows, Y, a, b, r)
+                _park(w, Y, a, b, r, absent, no_layers, zero)
         a = nxt
     return out
 
@@ -173,19 +178,21 @@ def _chunk_log_values(w: Work, rows: Rows, a: int, b: int) -> tuple[np.ndarray, 
     if rows.layers is not None:
         with np.errstate(divide="ignore", invalid="ignore"):
             np.log(rows.layers[a:b], Y[:, N_FIXED:w.layers_end])
-    _park(w, rows, Y, a, b, 0)
+    _park(w, Y, a, b, 0, rows.absent, rows.no_layers, rows.zero)
     return Y, okc
 
 
-def _park(w: Work, rows: Rows, Y: np.ndarray, a: int, b: int, r0: int) -> None:
+def _park(w: Work, Y: np.ndarray, a: int, b: int, r0: int, absent: list, no_layers: np.ndarray | None,
+          zero: np.ndarray | None) -> None:
     """Absent channels of rows ``[a + r0, b)`` onto their baseline (deviation exactly 0), as
-    :meth:`Work.refresh` parks them for the live step. Their baselines only move on rows that
-    have them, which go through the step, after which the rest of the chunk is parked again."""
+    :meth:`Work.refresh` parks them for the live step (``absent``, ``no_layers``, ``zero``: as
+    in :class:`Rows`). Their baselines only move on rows that have them, which go through the
+    step, after which the rest of the chunk is parked again."""
     mu = w.baseline
     mu_lay = mu[N_FIXED:w.layers_end]
-    for c, ab in rows.absent:
+    for c, ab in absent:
         Y[r0:, c][ab[a + r0:b]] = mu[c]
-    if rows.no_layers is not None:
-        Y[r0:, N_FIXED:w.layers_end][rows.no_layers[a + r0:b]] = mu_lay
-    if rows.zero is not None:
-        np.copyto(Y[r0:, N_FIXED:w.layers_end], mu_lay, where=rows.zero[a + r0:b])
+    if no_layers is not None:
+        Y[r0:, N_FIXED:w.layers_end][no_layers[a + r0:b]] = mu_lay
+    if zero is not None:
+        np.copyto(Y[r0:, N_FIXED:w.layers_end], mu_lay, where=zero[a + r0:b])
