@@ -9,13 +9,24 @@ CPU time (the CPU time is the honest figure on a shared machine) and checks that
 grow with the number of steps.
 
 Usage: ``python benchmarks/detector_speed.py [--steps 100000] [--layers 50]``
+
+``--against DIR`` (another checkout's root, e.g. ``git worktree add /tmp/main main``) times instead
+this tree and that one interleaved in one process (ABBA rounds: a shared machine drifts), with
+this tree against a copy of itself as the noise floor: the live cost of one calm step
+(``StreamingDetector.observe``, a 50-layer guard observation with its LR), and ``observe`` /
+``observe_columns`` over the synthetic run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import re
+import shutil
+import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -57,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--layers", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=3, help="best of N timed replays")
+    ap.add_argument("--against", type=Path, help="another checkout's root: time both, paired")
+    ap.add_argument("--rounds", type=int, default=20, help="--against: ABBA rounds")
     a = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
+    if a.against is not None:
+        return paired_live_step(a.against, a.rounds, a.layers)
     names = [f"layer{i}" for i in range(a.layers)]
     t0 = time.perf_counter()
     obs = synthetic(a.steps, a.layers)
@@ -190,6 +205,80 @@ def main(argv: list[str] | None = None) -> int:
     print(f"building the observations took {t_build:.2f} s (not timed)")
     print(f"reference: one numpy add of {a.layers + 4} floats took {t_add:.0f} ns on this core around the "
           f"best replay; a step costs {1000 * us / t_add:.1f} such adds (scale by your machine's add time)")
+    return 0
+
+
+def _detector_of(root: Path, alias: str):
+    """``StreamingDetector`` of the checkout at ``root``, imported as a package of its own
+    (``alias``), so that two versions run side by side in one process."""
+    dest = Path(tempfile.mkdtemp()) / alias
+    shutil.copytree(root / "earlywarn", dest, ignore=shutil.ignore_patterns("__pycache__", "integrations"))
+    for f in dest.rglob("*.py"):
+        f.write_text(re.sub(r"\bearlywarn\.", alias + ".", f.read_text()))
+    sys.path.insert(0, str(dest.parent))
+    return importlib.import_module(alias + ".detect").StreamingDetector
+
+
+def paired_live_step(against: Path, rounds: int, layers: int, warm: int = 1500, n: int = 2000) -> int:
+    """CPU ns per step of this tree, a copy of it (the A/A noise) and ``against``, interleaved:
+    the live calm step (``observe`` of a calm guard observation) and the first 20,000 steps of
+    the synthetic run through ``observe`` and ``observe_columns``."""
+    impls = {"this tree": StreamingDetector,
+             "this tree again": _detector_of(Path(__file__).resolve().parents[1], "ew_this"),
+             f"{against}": _detector_of(against.resolve(), "ew_against")}
+    rng = np.random.default_rng(1)
+    lay = np.exp(rng.normal(-3, 1, layers)) * np.exp(rng.normal(0, 0.05, (warm + n, layers)))
+    loss = 3.0 * np.exp(-np.linspace(0, 0.2, warm + n) + rng.normal(0, 0.005, warm + n))
+    lr = np.linspace(3e-4, 2.9e-4, warm + n)
+    zeros = np.zeros(layers)  # what the guard hands: per-layer non-finite flags, the LR of the step
+    calm = [Observation(step=i, grad_norm=float(np.sqrt((lay[i] ** 2).sum())), layer_norms=lay[i],
+                        loss=float(loss[i]), layer_nonfinite=zeros, extras={"lr": float(lr[i])})
+            for i in range(warm + n)]
+    m = 20_000
+    run = synthetic(m, layers)
+    cols = StepColumns(step=np.arange(m), grad_norm=np.array([o.grad_norm for o in run]),
+                       loss=np.array([o.loss for o in run]), layer_norms=np.stack([o.layer_norms for o in run]),
+                       extras={"lr": (learning_rates(m), None)})
+    names = [f"layer{i}" for i in range(layers)]
+
+    def live(cls) -> float:
+        sd = cls(layer_names=names)
+        for o in calm[:warm]:
+            sd.observe(o)
+        observe = sd.observe
+        c = time.process_time()
+        for o in calm[warm:]:
+            observe(o)
+        return (time.process_time() - c) / n * 1e9
+
+    def rows(cls) -> float:
+        observe = cls(layer_names=names).observe
+        c = time.process_time()
+        for o in run:
+            observe(o)
+        return (time.process_time() - c) / m * 1e9
+
+    def columns(cls) -> float:
+        sd = cls(layer_names=names)
+        c = time.process_time()
+        sd.observe_columns(cols)
+        return (time.process_time() - c) / m * 1e9
+
+    work = {f"live calm step ({layers} layers + LR)": live, f"observe, synthetic {m:,} steps": rows,
+            f"observe_columns, synthetic {m:,} steps": columns}
+    got = {w: {k: [] for k in impls} for w in work}
+    for r in range(rounds):
+        order = list(impls) if r % 2 == 0 else list(reversed(impls))
+        for w, fn in work.items():
+            for key in order:
+                got[w][key].append(fn(impls[key]))
+    print(f"{rounds} interleaved rounds (ABBA), CPU ns per step; ratio: median over rounds of the round's ratio")
+    for w in work:
+        base = got[w]["this tree"]
+        print(f"{w}:")
+        for key, t in got[w].items():
+            ratio = statistics.median([x / b for x, b in zip(t, base)])
+            print(f"  {key:24s} min {min(t):6.0f}  median {statistics.median(t):6.0f}  vs this tree {ratio:.3f}")
     return 0
 
 

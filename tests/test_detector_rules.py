@@ -293,3 +293,54 @@ def test_one_bad_batch_warns_only_while_the_lr_climbs():
                 "climbs": 3.01e-2, "flat": 1e-3, "decays": 1e-3 * math.exp(-300 / 500)}[kind]})])
         assert bool([a for a in res.alerts if a.level >= Level.WARNING]) == warned, kind
         assert not [a for a in res.alerts if a.level == Level.CRITICAL]
+
+
+# -- the rule functions both paths call (earlywarn.detect.rules) --------------------------------
+
+
+def test_a_cusum_step_is_winsorised_less_its_allowance_and_never_negative():
+    from earlywarn.detect.rules import cusum
+
+    assert cusum(2.0, 1.5, 4.0, 1.0) == 2.5  # + z - k
+    assert cusum(2.0, 50.0, 4.0, 1.0) == 5.0  # one enormous z counts as cap
+    assert cusum(0.5, -3.0, 4.0, 1.0) == 0.0  # evidence never goes below 0
+    c = 0.0
+    for _ in range(6):  # z steadily 2 above an allowance of 1: +1 a step
+        c = cusum(c, 2.0, 4.0, 1.0)
+    assert c == 6.0
+
+
+def test_the_together_term_is_the_smaller_side_and_needs_both():
+    from earlywarn.detect.rules import Thresholds, together
+
+    t = Thresholds.of(DetectorConfig())  # together_k 0.75, cap admit_z = 3
+    assert together(1.0, 2.0, None, 0.5, t) == (1.0 + 0.5 - 0.75, 0.5)  # the loss is the smaller side
+    assert together(1.0, 9.0, None, 8.0, t) == (1.0 + 3.0 - 0.75, 8.0)  # winsorised at admit_z
+    assert together(1.0, None, None, 2.0, t) == (1.0, None)  # no gradient signal: unchanged
+    assert together(1.0, None, 2.0, 2.0, t)[1] == 2.0  # the update norm stands in for a missing grad norm
+    assert together(1.0, 1.0, 2.0, 2.0, t)[1] == 1.0  # ... not for a lower one unless update_warns
+    assert together(1.0, 1.0, 2.0, 2.0, Thresholds.of(DetectorConfig(update_warns=True)))[1] == 2.0
+
+
+def test_a_divergence_step_needs_the_ratio_and_the_loss_own_noise():
+    from earlywarn.detect.rules import Thresholds, loss_diverging
+
+    t = Thresholds.of(DetectorConfig())  # loss_diverge_ratio 1.5, loss_diverge_z 2
+    assert loss_diverging(math.log(1.6), 2.5, t)
+    assert not loss_diverging(math.log(1.4), 9.0, t)  # far in its noise, not by the ratio
+    assert not loss_diverging(math.log(3.0), 1.5, t)  # by the ratio, within its (wide) noise
+
+
+def test_the_lr_ring_remembers_what_the_run_survived_and_flags_new_highs_and_jumps():
+    from earlywarn.detect.rules import LR_JUMPED, LR_RISING, Thresholds, lr_push, lr_signals
+
+    t = Thresholds.of(DetectorConfig(lr_ref_steps=3, warmup_steps=3, lr_jump_ratio=10.0))
+    ring, pos, seen, ref = [0.0] * 3, 0, 0, 0.0
+    said = []
+    for lr in (1.0, 2.0, 3.0, 4.0, 4.0, 2.0, 5.0, 45.0):
+        said.append(lr_signals(lr, ring, pos, seen, ref, t))
+        pos, seen, ref = lr_push(lr, ring, pos, seen, ref, t)
+    # a new high once the ring is full (above the LR 3 steps back and the highest before it); a
+    # jump: 10x the highest LR at least 3 steps back (4.0 when 45.0 comes)
+    assert said == [0, 0, 0, LR_RISING, LR_RISING, 0, LR_RISING, LR_RISING | LR_JUMPED]
+    assert ref == 4.0 and seen == 8 and sorted(ring) == [2.0, 5.0, 45.0]

@@ -1,0 +1,164 @@
+"""The working state: preallocated vectors a step updates in place, loaded from a
+:class:`DetectorState` and snapshot back into one, both by the field table ``STATE_FIELDS``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from earlywarn.detect.rules import Thresholds, alone_thresholds, together_threshold
+from earlywarn.detect.state import (COUNT, CUSUM, EXTRAS, GROW, LAYERS_BIT, LR_BIT, MU, N_FIXED, N_ROWS,
+                                    PATTERN_BITS, PREV, SCALARS, SCALE, STREAK, USER, USER_BIT, WIDTH,
+                                    DetectorState)
+
+try:  # the C function itself: np.count_nonzero adds a Python wrapper and a dispatcher per call
+    from numpy._core._multiarray_umath import count_nonzero as cnz
+except ImportError:  # pragma: no cover - older numpy layouts
+    cnz = np.count_nonzero
+
+
+class Work:
+    """The mutable working state of one detector: the state's scalar fields (``SCALARS``) as
+    attributes, its per-channel statistics as vectors, and the scratch vectors of a step.
+
+    ``ema`` stacks the baseline and the admission width ``width = admit_z * scale`` so that both
+    EMAs are one multiply-add: ``ema = ema * keep + ema_in * rates`` with ``ema_in = [dev;
+    max(|dev|, min_scale)]``, ``rates = [alpha; admit_z * scale_alpha]`` and ``keep = [1; 1 -
+    scale_alpha]`` for the channels the calm path updates (0 / 1 elsewhere). Keeping the width
+    rather than the scale makes the outlier test ``|dev| < width`` one call, with no per-step
+    rescaling."""
+
+    __slots__ = (
+        # layout: the four fixed channels, the layers, then the user signals (run-level, like the
+        # fixed ones: CUSUMs, escalation, spikes)
+        "channels", "n", "n_layers", "layers_end", "n_users", "user_set", "known_extras",
+        # [baseline; width; dev; |dev|] in one (4, n) block and its views: the run-level widths
+        # and deviations are one (2, 4) view, read with one tolist()
+        "block", "ema", "baseline", "width", "ema_in", "dev", "abs_dev", "fixed_wd", "user_wd",
+        # per-channel history (rows of DetectorState.stats) and the run-level CUSUMs (the fixed
+        # channels', then the user signals')
+        "count", "streak", "grow", "prev", "cusums",
+        # this step's log-values (absent channels parked on their baseline), as a vector, as the
+        # one row calm_rows takes, and the layers' slice
+        "logv", "logv_row", "logv_layers",
+        # the calm path's EMA rates and rule thresholds under the current pattern (see refresh),
+        # the per-channel thresholds, scratch (incr: the EMA increments)
+        "rates", "keep", "h_alone", "h_together", "consts", "incr", "incr_mu", "incr_width", "ok", "layers_ok",
+        "z_scratch",
+        # layers present under the pattern (a layer reporting 0 is absent) and how many
+        "layer_present", "n_present",
+        # dev holds NaN (absent / not warm channels, set by the general path); dev was computed
+        "dev_nan", "has_dev",
+        # the lr ring (DetectorState.lr_ring, as a list)
+        "lr_ring",
+    ) + SCALARS
+
+    def __init__(self, channels: tuple[str, ...]):
+        n = len(channels)
+        nu = sum(1 for c in channels[N_FIXED:] if c.startswith(USER))
+        self.channels, self.n, self.n_users = channels, n, nu
+        self.n_layers = n - N_FIXED - nu
+        self.layers_end = N_FIXED + self.n_layers
+        self.user_set = frozenset(channels[self.layers_end:])
+        self.known_extras = self.user_set | frozenset(EXTRAS)  # extras keys that add no channel
+        self.block = np.zeros((4, n))
+        self.ema, self.ema_in = self.block[0:2], self.block[2:4]
+        self.baseline, self.width = self.ema[0], self.ema[1]
+        self.dev, self.abs_dev = self.ema_in[0], self.ema_in[1]
+        self.fixed_wd = self.block[1:3, :N_FIXED]
+        self.user_wd = self.block[1:3, self.layers_end:]
+        self.count = np.zeros(n)
+        self.streak, self.grow, self.prev = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.cusums = [0.0] * (N_FIXED + nu)
+        self.logv = np.zeros(n)
+        self.logv_row = (self.logv,)  # one row of log-values, for calm_rows
+        self.logv_layers = self.logv[N_FIXED:self.layers_end]
+        self.incr = np.zeros((2, n))
+        self.incr_mu, self.incr_width = self.incr[0], self.incr[1]
+        self.rates = np.zeros((2, n))
+        self.keep = np.ones((2, n))
+        self.ok = np.zeros(n, dtype=bool)
+        self.layer_present = np.ones(self.n_layers, dtype=bool)
+        self.layers_ok = np.zeros(self.n_layers, dtype=bool)
+        self.n_present = self.n_layers
+        self.z_scratch = np.zeros(n)
+        self.dev_nan = False
+        self.has_dev = False
+
+    @classmethod
+    def load(cls, s: DetectorState, t: Thresholds) -> "Work":
+        w = cls(s.channels)
+        st = s.stats
+        w.baseline[:] = st[MU]
+        w.width[:] = st[WIDTH]
+        w.count[:] = st[COUNT]
+        w.streak[:], w.grow[:], w.prev[:] = st[STREAK], st[GROW], st[PREV]
+        w.cusums = [float(v) for v in st[CUSUM, :N_FIXED]] + [float(v) for v in st[CUSUM, w.layers_end:]]
+        for name in SCALARS:
+            setattr(w, name, getattr(s, name))
+        w.joint = float(s.joint)
+        if s.dev is not None:
+            w.dev[:] = s.dev
+            w.has_dev = True
+            w.dev_nan = bool(np.isnan(s.dev).any())
+        w.layer_present[:] = True
+        w.layer_present[list(s.absent)] = False
+        w.n_present = int(cnz(w.layer_present))
+        K = t.lr_ref_steps
+        w.lr_ring = list(s.lr_ring) if len(s.lr_ring) == K else [0.0] * K
+        if len(s.lr_ring) != K:  # saved under another lr_ref_steps: the ring starts over
+            w.lr_pos = w.lr_n = 0
+            w.lr_ref = 0.0
+        w.refresh(t)
+        return w
+
+    def snapshot(self, t: Thresholds) -> DetectorState:
+        stats = np.zeros((N_ROWS, self.n))
+        stats[MU], stats[SCALE], stats[COUNT] = self.baseline, self.width / t.admit_z, self.count
+        stats[WIDTH] = self.width
+        stats[STREAK], stats[GROW], stats[PREV] = self.streak, self.grow, self.prev
+        stats[CUSUM, :N_FIXED] = self.cusums[:N_FIXED]
+        stats[CUSUM, self.layers_end:] = self.cusums[N_FIXED:]
+        return DetectorState(
+            channels=self.channels, stats=stats, dev=self.dev.copy() if self.has_dev else None,
+            lr_ring=tuple(self.lr_ring), absent=tuple(int(i) for i in np.flatnonzero(~self.layer_present)),
+            **{name: getattr(self, name) for name in SCALARS})
+
+    def expected(self) -> np.ndarray:
+        """The channels the latest step's pattern gave (the layers: those present)."""
+        pattern = self.pattern
+        expected = np.zeros(self.n, dtype=bool)
+        if pattern >= 0:
+            for bit, c in PATTERN_BITS:
+                expected[c] = bool(pattern & bit)
+            if pattern & LAYERS_BIT:
+                expected[N_FIXED:self.layers_end] = self.layer_present
+            for i in range(self.n_users):
+                expected[self.layers_end + i] = bool(pattern & (USER_BIT << i))
+        return expected
+
+    def refresh(self, t: Thresholds) -> None:
+        """What the calm path assumes, derived from the state: its EMA rates (steady rates for
+        the mature channels given under the current pattern, 0 elsewhere), the thresholds of
+        the rules under that pattern (rules.alone_thresholds; rules.together_threshold with a flat
+        or unknown LR, then a rising one), and absent channels' log-values parked on their baseline (so their deviation
+        is exactly 0)."""
+        cfg = t.cfg
+        expected = self.expected()
+        steady = expected & (self.count >= t.mature_n)
+        b = np.where(steady, cfg.scale_alpha, 0.0)
+        self.rates[0] = np.where(steady, cfg.alpha, 0.0)
+        np.multiply(b, t.admit_z, out=self.rates[1])  # as the general path computes it
+        self.keep[0] = 1.0
+        np.subtract(1.0, b, out=self.keep[1])
+        self.consts = t.per_channel(self.n, self.layers_end)
+        pattern = max(self.pattern, 0)
+        self.h_alone = alone_thresholds(t, pattern)
+        self.h_together = (together_threshold(t, bool(pattern & LR_BIT), False), together_threshold(t, True, True))
+        np.copyto(self.logv, self.baseline, where=~expected)
+
+    def new_users(self, extras) -> list[str]:
+        """User signals in ``extras`` that have no channel yet (in the order given)."""
+        if not extras:
+            return []
+        us = self.user_set
+        return [k for k in extras if k.startswith(USER) and k not in us]
