@@ -43,8 +43,9 @@ Definitions
   (counters["rewinds"] > 0); c = any event at level CRITICAL; w = left worse: kept < kept_bare - {WORSE_MARGIN}.
   Faulted: dying = bare keeps < {DYING_BELOW} (or ends non-finite); rescued = the method keeps >= {RESCUED_AT}
   and was not halted. The rescue table counts dying configs only.
-  Hopeless (LR 30-300x too high from step 0): per method, halted (median step), finished
-  non-finite, finished finite (median kept vs the normal-LR twin)."""
+  Hopeless (LR 30-300x the top of the healthy range, from step 0): per method, halted (median
+  step), finished non-finite, finished finite (median kept vs the normal-LR twin); warned: runs
+  with an event at level WARNING or worse (earlywarn)."""
 
 
 # ---------------------------------------------------------------- scoring
@@ -235,11 +236,12 @@ def hopeless_table(configs, results, methods) -> str:
     cs = [c for c in configs if c["family"] == "hopeless"]
     rows = []
     for m in methods:
-        halted, nonfinite, finite = [], 0, []
+        halted, nonfinite, finite, warned = [], 0, [], 0
         for c in cs:
             res, twin = results.get((c["id"], m)), results.get((c["id"] + "~twin", "bare"))
             if not res or res.get("error") or not twin:
                 continue
+            warned += any(e["level"] in ("warning", "critical") for e in res.get("events", []))
             if res["halted"]:
                 halted.append(res["halt_step"])
             elif not math.isfinite(res["E"]):
@@ -248,8 +250,10 @@ def hopeless_table(configs, results, methods) -> str:
                 finite.append(kept(res["E0"], res["E"], twin["E"]))
         med = lambda xs, f: f.format(statistics.median(xs)) if xs else "-"  # noqa: E731
         rows.append([m, len(cs), f"{len(halted)} (step {med(halted, '{:.0f}')})", nonfinite,
-                     f"{len(finite)} (kept {med([k for k in finite if math.isfinite(k)], '{:.2f}')})"])
-    return _table(["hopeless: method", "n", "halted (median step)", "finished non-finite", "finished finite (median kept)"], rows)
+                     f"{len(finite)} (kept {med([k for k in finite if math.isfinite(k)], '{:.2f}')})",
+                     warned if m == "earlywarn" else "-"])
+    return _table(["hopeless: method", "n", "halted (median step)", "finished non-finite",
+                   "finished finite (median kept)", "warned"], rows)
 
 
 def show(config_id: str, configs, results, methods) -> None:
