@@ -292,8 +292,6 @@ def _huge_grad(rng, cfg):
 
 def _burst(rng, cfg):
     how = "shuffle" if cfg["task"]["name"] == "chargpt" else rng.choice(["scale", "shuffle", "both"])
-    if not base_has_labels(cfg) and how != "scale":
-        how = "scale"
     return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "length": rng.randint(10, 40), "how": how,
             "scale": loguniform(rng, 20, 200)}
 
@@ -307,10 +305,6 @@ def _hopeless(rng, cfg):
     """An LR 30-300x the top of the healthy range, from step 0 (the twin keeps its own LR)."""
     factor = loguniform(rng, 30, 300)
     return {"factor": factor, "lr": healthy_lr_range(cfg["task"]["name"], cfg["opt"]["name"])[1] * factor}
-
-
-def base_has_labels(cfg) -> bool:
-    return cfg["task"]["name"] != "gan"
 
 
 FAULTS: dict[str, tuple[Callable, tuple[str, ...]]] = {

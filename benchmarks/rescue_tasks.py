@@ -80,7 +80,6 @@ class Task:
     n_opt = 1
     clip: float | None = None  # the loop's clip_grad_norm_ max norm
     float_inputs: tuple[str, ...] = ("x",)  # batch entries a data fault may corrupt
-    has_labels = True  # a burst may shuffle batch["y"]
 
     def __init__(self, cfg: dict, seed: int):
         self.cfg, self.seed = cfg, seed
@@ -265,7 +264,6 @@ class CharGPT(Task):
     (the text is upper-cased: a new domain), ``reversed`` (the text runs backwards: harder)."""
 
     float_inputs = ()
-    has_labels = True
 
     def __init__(self, cfg: dict, seed: int):
         super().__init__(cfg, seed)
@@ -389,8 +387,6 @@ class GAN(Task):
     512 real points (both fixed)."""
 
     n_opt = 2
-    float_inputs = ("x",)
-    has_labels = False
 
     def __init__(self, cfg: dict, seed: int):
         super().__init__(cfg, seed)
