@@ -1,0 +1,353 @@
+"""Rescue benchmark: does a response policy harm healthy runs, and does it rescue dying ones?
+
+    PYTHONPATH=$PWD python benchmarks/rescue.py [--jobs 2] [--quick] [--families a,b] [--methods a,b]
+        [--seed-base 0] [--per-family N] [--no-cache] [--show CONFIG_ID] [--json out.json] [--soak]
+
+Every config of every family (benchmarks/rescue_families.py: healthy families, fault families
+and "hopeless") is trained with every method (benchmarks/rescue_peers.py: bare, a GradScaler-style
+skip, a torchtitan-style stop, OLMo-core's SkipStep, ZClip, earlywarn's defaults) in one loop
+(benchmarks/rescue_harness.py); a faulted config is also trained bare without its fault (its
+twin). Results are cached in benchmarks/.cache/rescue/, keyed by the config, the method, the
+harness's files, and for earlywarn by every file under earlywarn/ and integrations/: a change to
+earlywarn re-runs only earlywarn. ``--soak``: benchmarks/rescue_soak.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rescue_families import FAMILIES, FAULT_FAMILIES, HEALTHY, all_configs, twin_of  # noqa: E402
+from rescue_harness import cache_key, run_one  # noqa: E402
+from rescue_peers import METHODS  # noqa: E402
+
+CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "rescue")
+
+WORSE_MARGIN = 0.02
+DYING_BELOW = 0.9
+RESCUED_AT = 0.95
+DEFINITIONS = f"""\
+Definitions
+  E0 = eval loss on the config's fixed held-out set at initialisation; E = at the end (a halted or
+  stopped run: the model as it is at the stop); E_twin = E of the fault-free bare twin (for a
+  healthy config, bare itself).
+  kept = (E0 - E) / (E0 - E_twin); a non-finite E keeps 0 (no progress).
+  Healthy harm (h/r/c/w): h = halted (earlywarn.Halt, or a peer's stop); r = rewound
+  (counters["rewinds"] > 0); c = any event at level CRITICAL; w = left worse: kept < kept_bare - {WORSE_MARGIN}.
+  Faulted: dying = bare keeps < {DYING_BELOW} (or ends non-finite); rescued = the method keeps >= {RESCUED_AT}
+  and was not halted. The rescue table counts dying configs only.
+  Hopeless (LR 30-300x the top of the healthy range, from step 0): per method, halted (median
+  step), finished non-finite, finished finite (median kept vs the normal-LR twin); warned: runs
+  with an event at level WARNING or worse (earlywarn)."""
+
+
+# ---------------------------------------------------------------- scoring
+def kept(e0: float, e: float, e_twin: float) -> float:
+    """Fraction of the twin's progress kept; 0.0 for a non-finite E; NaN when the twin made none."""
+    if e is None or not math.isfinite(e):
+        return 0.0
+    denom = e0 - e_twin
+    if not (math.isfinite(denom) and denom > 0):
+        return math.nan
+    return (e0 - e) / denom
+
+
+def healthy_harm(res: dict, bare: dict) -> dict[str, bool]:
+    k_bare = kept(bare["E0"], bare["E"], bare["E"])
+    k = kept(res["E0"], res["E"], bare["E"])
+    return {"halted": bool(res["halted"]),
+            "rewound": res.get("counters", {}).get("rewinds", 0) > 0,
+            "critical": any(e["level"] == "critical" for e in res.get("events", [])),
+            "worse": bool(k < k_bare - WORSE_MARGIN)}
+
+
+def is_dying(bare_faulted: dict, twin: dict) -> bool:
+    k = kept(bare_faulted["E0"], bare_faulted["E"], twin["E"])
+    return not math.isfinite(bare_faulted["E"]) or k < DYING_BELOW
+
+
+def is_rescued(res: dict, twin: dict) -> bool:
+    return not res["halted"] and kept(res["E0"], res["E"], twin["E"]) >= RESCUED_AT
+
+
+# ---------------------------------------------------------------- running
+def jobs_for(configs: list[dict], methods: list[str]) -> list[tuple[dict, str]]:
+    jobs = [(c, m) for c in configs for m in methods]
+    jobs += [(twin_of(c), "bare") for c in configs if c.get("fault")]
+    return jobs
+
+
+def _cost(job) -> float:
+    cfg, method = job
+    per_step = {"chargpt": 6.0, "cnn": 3.0, "lstm": 3.0, "gan": 2.0}.get(cfg["task"]["name"], 1.0)
+    return cfg["steps"] * per_step * cfg.get("accum", 1) * (1.5 if method in ("earlywarn", "olmo_skipstep") else 1.0)
+
+
+def _work(job) -> tuple[str, dict]:
+    cfg, method = job
+    return cache_key(cfg, method), run_one(cfg, method)
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_all(jobs: list[tuple[dict, str]], n_jobs: int, use_cache: bool) -> dict[tuple[str, str], dict]:
+    os.makedirs(CACHE, exist_ok=True)
+    out: dict[tuple[str, str], dict] = {}
+    todo = []
+    for cfg, method in jobs:
+        path = os.path.join(CACHE, cache_key(cfg, method) + ".json")
+        if use_cache and os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                out[(cfg["id"], method)] = json.load(fh)
+        else:
+            todo.append((cfg, method))
+    todo.sort(key=_cost, reverse=True)  # longest first: the pool ends together
+    print(f"{len(jobs)} runs: {len(jobs) - len(todo)} cached, {len(todo)} to run on {n_jobs} process(es)", file=sys.stderr)
+    t0 = time.monotonic()
+
+    def store(key: str, res: dict) -> None:
+        out[(res["id"], res["method"])] = res
+        tmp = os.path.join(CACHE, key + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(res, fh)
+        os.replace(tmp, os.path.join(CACHE, key + ".json"))
+        done = len(out) - (len(jobs) - len(todo))
+        if done % 50 == 0 or done == len(todo):
+            print(f"  {done}/{len(todo)} runs, {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+    if n_jobs <= 1:
+        _init_worker()
+        for job in todo:
+            store(*_work(job))
+    elif todo:
+        with mp.get_context("spawn").Pool(n_jobs, initializer=_init_worker) as pool:
+            for key, res in pool.imap_unordered(_work, todo, chunksize=1):
+                store(key, res)
+    return out
+
+
+# ---------------------------------------------------------------- tables
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def harm_table(configs, results, methods) -> tuple[str, list[str]]:
+    rows, totals, notes = [], {m: [0, 0, 0, 0] for m in methods}, []
+    fams = [f for f in HEALTHY if any(c["family"] == f for c in configs)]
+    for fam in fams:
+        row = [fam, 0]
+        counts = {m: [0, 0, 0, 0] for m in methods}
+        for c in (c for c in configs if c["family"] == fam):
+            bare = results.get((c["id"], "bare"))
+            if bare is None or bare.get("error") or not math.isfinite(kept(bare["E0"], bare["E"], bare["E"])):
+                notes.append(f"{c['id']}: bare made no progress or failed; left out")
+                continue
+            row[1] += 1
+            for m in methods:
+                res = results.get((c["id"], m))
+                if res is None or res.get("error"):
+                    continue
+                h = healthy_harm(res, bare)
+                for i, key in enumerate(("halted", "rewound", "critical", "worse")):
+                    counts[m][i] += h[key]
+                    totals[m][i] += h[key]
+                if m == "earlywarn" and any(h.values()):
+                    notes.append(_harm_note(c, res, bare, h))
+        rows.append(row + ["/".join(map(str, counts[m])) for m in methods])
+    rows.append(["total", sum(r[1] for r in rows)] + ["/".join(map(str, totals[m])) for m in methods])
+    return _table(["healthy family", "n"] + [f"{m} h/r/c/w" for m in methods], rows), notes
+
+
+def _harm_note(c, res, bare, h) -> str:
+    what = ",".join(k for k, v in h.items() if v)
+    first = next((e for e in res.get("events", []) if e["level"] in ("critical",) or e["kind"] in ("rewind", "halt")), None)
+    msg = f" first: step {first['step']} {first['kind']}/{first['level']}: {first['message'][:160]}" if first else ""
+    k = kept(res["E0"], res["E"], bare["E"])
+    return f"{c['id']} ({c['task']['name']}, {c['steps']} steps): {what}; kept {k:.2f}" + (
+        f"; halted at {res['halt_step']}" if res["halted"] else "") + msg
+
+
+def rescue_table(configs, results, methods) -> tuple[str, dict]:
+    rows, tot = [], {"n": 0, "dying": 0, **{m: 0 for m in methods}}
+    for fam in (f for f in FAULT_FAMILIES if f != "hopeless"):
+        cs = [c for c in configs if c["family"] == fam]
+        if not cs:
+            continue
+        n = dying = 0
+        rescued = {m: 0 for m in methods}
+        for c in cs:
+            twin, bare = results.get((c["id"] + "~twin", "bare")), results.get((c["id"], "bare"))
+            if not twin or not bare or twin.get("error") or bare.get("error") or not math.isfinite(kept(twin["E0"], twin["E"], twin["E"])):
+                continue
+            n += 1
+            if not is_dying(bare, twin):
+                continue
+            dying += 1
+            for m in methods:
+                res = results.get((c["id"], m))
+                rescued[m] += bool(res and not res.get("error") and is_rescued(res, twin))
+        tot["n"] += n
+        tot["dying"] += dying
+        for m in methods:
+            tot[m] += rescued[m]
+        rows.append([fam, n, dying] + [rescued[m] for m in methods])
+    pct = lambda x: f"{x} ({100 * x / tot['dying']:.0f}%)" if tot["dying"] else str(x)  # noqa: E731
+    rows.append(["total", tot["n"], tot["dying"]] + [pct(tot[m]) for m in methods])
+    return _table(["fault family", "n", "dying"] + [f"{m} rescued" for m in methods], rows), tot
+
+
+def kept_table(configs, results, methods) -> str:
+    """Median kept per fault family and method over all (not only dying) configs."""
+    rows = []
+    for fam in FAULT_FAMILIES:
+        cs = [c for c in configs if c["family"] == fam]
+        if not cs:
+            continue
+        row = [fam]
+        for m in methods:
+            ks = []
+            for c in cs:
+                twin, res = results.get((c["id"] + "~twin", "bare")), results.get((c["id"], m))
+                if twin and res and not res.get("error") and not twin.get("error"):
+                    k = kept(res["E0"], res["E"], twin["E"])
+                    if math.isfinite(k):
+                        ks.append(k)
+            row.append(f"{statistics.median(ks):.2f}" if ks else "-")
+        rows.append(row)
+    return _table(["median kept (all configs)"] + methods, rows)
+
+
+def hopeless_table(configs, results, methods) -> str:
+    cs = [c for c in configs if c["family"] == "hopeless"]
+    rows = []
+    for m in methods:
+        halted, nonfinite, finite, warned = [], 0, [], 0
+        for c in cs:
+            res, twin = results.get((c["id"], m)), results.get((c["id"] + "~twin", "bare"))
+            if not res or res.get("error") or not twin:
+                continue
+            warned += any(e["level"] in ("warning", "critical") for e in res.get("events", []))
+            if res["halted"]:
+                halted.append(res["halt_step"])
+            elif not math.isfinite(res["E"]):
+                nonfinite += 1
+            else:
+                finite.append(kept(res["E0"], res["E"], twin["E"]))
+        med = lambda xs, f: f.format(statistics.median(xs)) if xs else "-"  # noqa: E731
+        rows.append([m, len(cs), f"{len(halted)} (step {med(halted, '{:.0f}')})", nonfinite,
+                     f"{len(finite)} (kept {med([k for k in finite if math.isfinite(k)], '{:.2f}')})",
+                     warned if m == "earlywarn" else "-"])
+    return _table(["hopeless: method", "n", "halted (median step)", "finished non-finite",
+                   "finished finite (median kept)", "warned"], rows)
+
+
+def show(config_id: str, configs, results, methods) -> None:
+    cfg = next((c for c in configs if c["id"] == config_id), None)
+    if cfg is None:
+        raise SystemExit(f"no config {config_id!r} among the selected families (ids look like domain_switch-0-003)")
+    print(json.dumps(cfg, indent=None, sort_keys=True))
+    twin = results.get((config_id + "~twin", "bare")) or results.get((config_id, "bare"))
+    for m in methods + (["bare (twin)"] if cfg.get("fault") else []):
+        res = results.get((config_id + "~twin", "bare")) if m == "bare (twin)" else results.get((config_id, m))
+        if res is None:
+            continue
+        if res.get("error"):
+            print(f"\n== {m}: ERROR\n{res['error']}")
+            continue
+        k = kept(res["E0"], res["E"], twin["E"]) if twin else math.nan
+        at = f" at {res['halt_step']}" if res["halted"] else ""
+        print(f"\n== {m}: E0 {res['E0']:.4f}  E {res['E']:.4f}  kept {k:.3f}  steps run {res['steps_run']}"
+              f"  halted {res['halted']}{at}  skips {res.get('skips', 0)}  wall {res['wall_s']} s")
+        for i, curve in enumerate(res["loss_curve"]):
+            print(f"   train loss (opt {i}, {len(curve)} bins): " + " ".join("nan" if v is None else f"{v:.3g}" for v in curve))
+        if res.get("halt_message"):
+            print(f"   halt: {res['halt_message'][:600]}")
+        if res.get("counters"):
+            print(f"   counters: {res['counters']}")
+        for e in res.get("events", [])[:60]:
+            print(f"   [{e['opt']}] step {e['step']:4d} {e['kind']}/{e['level']}: {e['message'][:300]}")
+        if len(res.get("events", [])) > 60:
+            print(f"   ... {len(res['events']) - 60} more events")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="two configs per family")
+    ap.add_argument("--per-family", type=int, default=None, help="configs per family (default: each family's own)")
+    ap.add_argument("--seed-base", type=int, default=0)
+    ap.add_argument("--families", default=None, help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    ap.add_argument("--methods", default=None, help=f"comma-separated, of: {', '.join(METHODS)}")
+    ap.add_argument("--no-cache", action="store_true")
+    ap.add_argument("--show", default=None, metavar="CONFIG_ID")
+    ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--soak", action="store_true", help="the 20,000-step soak (benchmarks/rescue_soak.py)")
+    ap.add_argument("--soak-steps", type=int, default=20_000)
+    args = ap.parse_args(argv)
+    if args.soak:
+        from rescue_soak import main as soak_main
+        soak_main(["--soak-steps", str(args.soak_steps)])
+        return
+    families = args.families.split(",") if args.families else None
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown method(s) {bad}: choose from {', '.join(METHODS)}")
+    if "bare" not in methods:
+        methods = ["bare"] + methods  # every score is relative to bare
+    n = 2 if args.quick else args.per_family
+    configs = all_configs(args.seed_base, families, n)
+    if args.show:
+        configs = [c for c in configs if c["id"] == args.show] or configs
+    t0 = time.monotonic()
+    results = run_all(jobs_for(configs if not args.show else [c for c in configs if c["id"] == args.show], methods),
+                      args.jobs, not args.no_cache)
+    wall = time.monotonic() - t0
+    if args.show:
+        show(args.show, configs, results, methods)
+        return
+    errors = [r for r in results.values() if r.get("error")]
+    print(DEFINITIONS)
+    healthy = [c for c in configs if c["family"] in HEALTHY]
+    faulted = [c for c in configs if c["family"] in FAULT_FAMILIES]
+    print(f"\n{len(healthy)} healthy + {len([c for c in faulted if c['family'] != 'hopeless'])} faulted + "
+          f"{len([c for c in faulted if c['family'] == 'hopeless'])} hopeless configs (seed base {args.seed_base}), "
+          f"methods: {', '.join(methods)}; wall {wall:.0f} s on {args.jobs} process(es)\n")
+    if healthy:
+        table, notes = harm_table(healthy, results, methods)
+        print(table)
+        if notes:
+            print("\nearlywarn on healthy configs (and configs left out):")
+            for line in notes:
+                print("  " + line)
+    if faulted:
+        table, _ = rescue_table(faulted, results, methods)
+        print("\n" + table + "\n\n" + kept_table(faulted, results, methods))
+        if any(c["family"] == "hopeless" for c in faulted):
+            print("\n" + hopeless_table(faulted, results, methods))
+    if errors:
+        print(f"\n{len(errors)} run(s) failed:")
+        for r in errors[:10]:
+            print(f"  {r['id']} {r['method']}: {r['error'].strip().splitlines()[-1]}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"configs": configs, "results": [r for r in results.values()]}, fh)
+
+
+if __name__ == "__main__":
+    main()

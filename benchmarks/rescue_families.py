@@ -1,0 +1,379 @@
+"""The rescue benchmark's generator: families of small CPU training runs, healthy and faulted.
+
+A family is ``configs(seed_base, n) -> list[dict]``: plain JSON-able configs, each with an
+``id``, the same list for the same arguments. A config says everything a run is:
+
+    {"id", "family", "seed", "steps", "task": {...}, "opt": {...}, "sched": {...},
+     "accum": int, "events": {...}, "fault": None | {...}}
+
+Healthy families each contain events that a naive rule mistakes for trouble (a noisy plateau,
+an LR that jumps back up, a loss that moves to a new level and trains down, a loss below zero,
+a gradient that grows when a backbone is unfrozen, an outlier batch that heals, a discriminator
+that spikes). A fault family draws a base config from a healthy family where the fault makes
+sense, and a fault at a random step (20%-70% of the run). ``hopeless`` runs at an LR 30-300x
+too high from step 0. Nothing here is tuned to any method: ranges are what such runs use.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+
+def loguniform(rng: random.Random, lo: float, hi: float) -> float:
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def pick(rng: random.Random, weighted: dict):
+    return rng.choices(list(weighted), weights=list(weighted.values()))[0]
+
+
+def seed_of(*keys) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------- optimizers and schedules
+def healthy_lr_range(task: str, opt: str) -> tuple[float, float]:
+    """The LR range a healthy config of ``task`` with optimizer ``opt`` draws from."""
+    if task == "gan":
+        return (2e-4, 1e-3)
+    if task == "chargpt":
+        return (1e-3, 3e-3)
+    if task == "lstm":
+        return (1e-3, 5e-3) if opt != "rmsprop" else (5e-4, 2e-3)
+    if task == "cnn" and opt == "sgd":
+        return (0.02, 0.1)
+    return {"adam": (3e-4, 3e-3), "adamw": (3e-4, 3e-3), "sgd": (0.01, 0.05), "rmsprop": (1e-4, 1e-3),
+            "adagrad": (0.01, 0.05)}[opt]
+
+
+def opt_for(rng: random.Random, task: str) -> dict:
+    """An optimizer in its healthy range for ``task`` (Adam/AdamW mostly)."""
+    if task == "gan":
+        return {"name": "adam", "lr": loguniform(rng, *healthy_lr_range(task, "adam")), "betas": [0.5, 0.999], "wd": 0.0}
+    if task == "chargpt":
+        name = pick(rng, {"adamw": 0.7, "adam": 0.3})
+        return {"name": name, "lr": loguniform(rng, *healthy_lr_range(task, name)), "betas": [0.9, rng.choice([0.95, 0.99])],
+                "wd": rng.choice([0.01, 0.1]) if name == "adamw" else 0.0}
+    choices = {"adam": 0.4, "adamw": 0.35, "sgd": 0.12, "rmsprop": 0.08, "adagrad": 0.05}
+    if task == "lstm":
+        choices = {"adam": 0.6, "adamw": 0.2, "rmsprop": 0.2}
+    name = pick(rng, choices)
+    lr = healthy_lr_range(task, name)
+    spec = {"name": name, "lr": loguniform(rng, *lr), "wd": 0.0}
+    if name in ("adam", "adamw"):
+        spec["betas"] = [0.9, rng.choice([0.99, 0.999])]
+    if name == "adamw":
+        spec["wd"] = rng.choice([0.01, 0.05, 0.1])
+    if name == "sgd":
+        spec["momentum"] = 0.9
+    return spec
+
+
+def const() -> dict:
+    return {"kind": "const"}
+
+
+def cosine(rng: random.Random, warm_lo: float = 0.0, warm_hi: float = 0.1) -> dict:
+    return {"kind": "cosine", "warmup": rng.uniform(warm_lo, warm_hi), "floor": rng.choice([0.0, 0.1])}
+
+
+LOOP_SCHEDULES = ("const", "cosine")
+"""Schedules the loop computes from its own step counter and writes into the param groups
+(an LR fault can ride on these); the others are torch schedulers passed to ``watch()``."""
+
+
+# ---------------------------------------------------------------- base tasks
+def base(rng: random.Random, task: str, steps: tuple[int, int] = (200, 450)) -> dict:
+    """A healthy config of ``task`` (no family-specific event yet)."""
+    if task in ("regression", "gauss_nll"):
+        spec = {"name": task, "d_in": rng.choice([8, 16, 24]), "width": rng.choice([32, 64, 96]),
+                "depth": rng.choice([2, 3]), "act": rng.choice(["relu", "gelu", "tanh", "silu"]),
+                "batch": rng.choice([16, 32, 64]),
+                "noise": rng.uniform(0.1, 0.5) if task == "regression" else rng.uniform(0.05, 0.3)}
+    elif task == "classify":
+        spec = {"name": task, "d_in": rng.choice([8, 16, 32]), "classes": rng.choice([4, 6, 8, 10]),
+                "spread": rng.uniform(1.5, 3.0), "label_noise": rng.uniform(0.05, 0.3),
+                "width": rng.choice([32, 64, 128]), "depth": rng.choice([1, 2]),
+                "act": rng.choice(["relu", "gelu"]), "batch": rng.choice([8, 16, 32])}
+    elif task == "chargpt":
+        spec = {"name": task, "layers": rng.choice([1, 2]), "heads": 2, "embd": 32, "block": 24,
+                "batch": rng.choice([8, 12])}
+        steps = (150, 220)
+    elif task == "cnn":
+        spec = {"name": task, "classes": rng.choice([4, 6, 8]), "channels": rng.choice([6, 8, 12]),
+                "noise": rng.uniform(0.8, 2.0), "label_noise": rng.uniform(0.0, 0.15),
+                "batch": rng.choice([16, 32])}
+        steps = (150, 350)
+    elif task == "lstm":
+        spec = {"name": task, "hidden": rng.choice([24, 32, 48]), "seq": rng.choice([12, 16, 20]),
+                "lag": rng.randint(1, 4), "lag2": rng.randint(2, 6), "clip": rng.choice([0.5, 1.0, 2.0, 5.0]),
+                "batch": rng.choice([16, 32])}
+        steps = (150, 350)
+    elif task == "gan":
+        spec = {"name": task, "z": rng.choice([2, 4, 8]), "width": rng.choice([32, 64]),
+                "bend": rng.uniform(0.2, 0.6), "std": rng.uniform(0.1, 0.3), "batch": rng.choice([64, 128])}
+        steps = (300, 600)
+    else:
+        raise ValueError(f"unknown task {task!r}")
+    n = rng.randint(*steps)
+    return {"seed": 0, "steps": n, "task": spec, "opt": opt_for(rng, task), "accum": 1,
+            "sched": rng.choice([const(), cosine(rng)]), "events": {}, "fault": None}
+
+
+def frac_step(rng: random.Random, n: int, lo: float, hi: float) -> int:
+    return int(round(rng.uniform(lo, hi) * n))
+
+
+# ---------------------------------------------------------------- healthy families
+def regression_floor(rng):
+    cfg = base(rng, "regression", (250, 600))
+    cfg["sched"] = rng.choice([const(), const(), cosine(rng)])
+    return cfg
+
+
+def classify_noisy(rng):
+    cfg = base(rng, "classify", (200, 500))
+    cfg["task"]["batch"] = rng.choice([8, 12, 16])
+    cfg["task"]["label_noise"] = rng.uniform(0.1, 0.35)
+    return cfg
+
+
+def chargpt(rng):
+    cfg = base(rng, "chargpt")
+    cfg["sched"] = cosine(rng, 0.03, 0.15)
+    return cfg
+
+
+def warm_restarts(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "chargpt"]))
+    n = cfg["steps"]
+    cfg["sched"] = {"kind": "warm_restarts", "T_0": n // rng.randint(3, 6), "T_mult": rng.choice([1, 2]),
+                    "eta_min_frac": rng.choice([0.0, 0.01, 0.05])}
+    return cfg
+
+
+def domain_switch(rng):
+    task = pick(rng, {"regression": 0.45, "classify": 0.35, "chargpt": 0.2})
+    cfg = base(rng, task, (250, 500))
+    at = frac_step(rng, cfg["steps"], 0.3, 0.85)
+    if task == "regression":
+        kind = pick(rng, {"targets": 0.4, "harder": 0.3, "inputs": 0.3})
+        size = loguniform(rng, 0.3, 3.0) if kind != "inputs" else loguniform(rng, 0.5, 3.0)
+    elif task == "classify":
+        kind = rng.choice(["relabel", "inputs"])
+        size = rng.uniform(0.3, 1.0) if kind == "relabel" else loguniform(rng, 1.0, 4.0)
+    else:
+        kind, size = rng.choice(["upper", "reversed"]), 1.0
+    cfg["task"]["stages"] = [at]
+    cfg["task"]["stage_kinds"] = [{"kind": kind, "size": size}]
+    return cfg
+
+
+def curriculum(rng):
+    task = rng.choice(["classify", "chargpt"])
+    cfg = base(rng, task, (250, 500))
+    n = cfg["steps"]
+    two = rng.random() < 0.5
+    cuts = sorted(frac_step(rng, n, 0.2, 0.6) for _ in range(2 if two else 1))
+    if task == "classify":
+        cfg["task"]["classes"] = 8
+        factors = [4, 2] if two else [rng.choice([2, 4])]
+        cfg["task"]["stage_kinds"] = [{"kind": "coarse", "factor": f} for f in factors]
+    else:
+        lens = [8, 16] if two else [rng.choice([8, 12])]
+        cfg["task"]["stage_kinds"] = [{"kind": "seqlen", "block": b} for b in lens]
+    cfg["task"]["stages"] = cuts
+    return cfg
+
+
+def finetune(rng):
+    task = rng.choice(["regression", "classify"])
+    cfg = base(rng, task, (200, 450))
+    kind = {"regression": rng.choice(["targets", "inputs"]), "classify": "relabel"}[task]
+    size = rng.uniform(0.5, 1.5) if task == "regression" else rng.uniform(0.3, 0.7)
+    cfg["task"]["stages"] = [0]  # the fine-tuning task is stage 1 from the first step; stage 0 pretrains
+    cfg["task"]["stage_kinds"] = [{"kind": kind, "size": size}]
+    cfg["task"]["finetune"] = {"pretrain": rng.randint(100, 200), "unfreeze": frac_step(rng, cfg["steps"], 0.3, 0.7)}
+    cfg["task"]["depth"] = max(cfg["task"]["depth"], 2)
+    return cfg
+
+
+def gauss_nll(rng):
+    return base(rng, "gauss_nll", (250, 500))
+
+
+def cnn_bn(rng):
+    return base(rng, "cnn")
+
+
+def lstm_clip(rng):
+    return base(rng, "lstm")
+
+
+def onecycle(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "cnn"]))
+    cfg["sched"] = {"kind": "onecycle", "max_lr_factor": rng.uniform(2.0, 5.0), "pct_start": rng.uniform(0.2, 0.4)}
+    return cfg
+
+
+def grad_accum(rng):
+    task = rng.choice(["regression", "classify", "chargpt"])
+    cfg = base(rng, task)
+    cfg["accum"] = rng.choice([2, 4, 8])
+    cfg["task"]["batch"] = rng.choice([4, 8]) if task != "chargpt" else 4
+    if task == "chargpt":
+        cfg["steps"], cfg["accum"] = 150, 2
+    return cfg
+
+
+def transient_heal(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "chargpt"]))
+    cfg["events"]["outlier"] = {"at": frac_step(rng, cfg["steps"], 0.3, 0.8), "factor": rng.uniform(5, 20)}
+    return cfg
+
+
+def gan(rng):
+    cfg = base(rng, "gan")
+    cfg["sched"] = const()
+    return cfg
+
+
+def lr_warmup(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "cnn", "chargpt"]))
+    cfg["opt"]["lr"] *= rng.uniform(1.0, 2.0)
+    cfg["sched"] = {"kind": "cosine", "warmup": rng.uniform(0.05, 0.25), "floor": rng.choice([0.1, 1.0])}
+    return cfg
+
+
+def smallbatch(rng):
+    cfg = base(rng, rng.choice(["regression", "classify"]), (400, 600))
+    cfg["task"]["batch"] = rng.choice([4, 6, 8])
+    cfg["sched"] = const()
+    return cfg
+
+
+# ---------------------------------------------------------------- faults
+FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
+               "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
+               "smallbatch", "lr_warmup")
+"""Healthy families a fault is injected into (not the GAN, whose eval is not a loss, and not
+transient_heal, which already has an outlier of its own)."""
+
+
+def _loop_lr(name: str) -> bool:
+    return name not in ("warm_restarts", "onecycle")
+
+
+def _nonfinite_grad(rng, cfg):
+    n = cfg["steps"]
+    k = 1 if rng.random() < 0.6 else rng.randint(2, 3)
+    return {"steps": sorted({frac_step(rng, n, 0.2, 0.7) for _ in range(k)}),
+            "value": rng.choice(["nan", "inf", "-inf"]), "coords": rng.choice([1, 4, 32, "all"])}
+
+
+def _bad_batch(rng, cfg):
+    kinds = ["nan_weight", "inf_weight"] + (["nan_input"] if cfg["task"]["name"] != "chargpt" else [])
+    return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "how": rng.choice(kinds), "samples": rng.choice([1, 2, "all"])}
+
+
+def _poisoned_state(rng, cfg):
+    return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "slot": rng.choice(["second", "first"]),
+            "coords": rng.choice([1, 8, "all"])}
+
+
+def _huge_grad(rng, cfg):
+    return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "factor": loguniform(rng, 1e4, 1e6)}
+
+
+def _burst(rng, cfg):
+    how = "shuffle" if cfg["task"]["name"] == "chargpt" else rng.choice(["scale", "shuffle", "both"])
+    return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "length": rng.randint(10, 40), "how": how,
+            "scale": loguniform(rng, 20, 200)}
+
+
+def _lr_pulse(rng, cfg):
+    return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "length": rng.randint(10, 30),
+            "factor": loguniform(rng, 30, 100)}
+
+
+def _hopeless(rng, cfg):
+    """An LR 30-300x the top of the healthy range, from step 0 (the twin keeps its own LR)."""
+    factor = loguniform(rng, 30, 300)
+    return {"factor": factor, "lr": healthy_lr_range(cfg["task"]["name"], cfg["opt"]["name"])[1] * factor}
+
+
+FAULTS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "nonfinite_grad": (_nonfinite_grad, FAULT_BASES),
+    "bad_batch": (_bad_batch, FAULT_BASES),
+    "poisoned_state": (_poisoned_state, FAULT_BASES),
+    "huge_grad": (_huge_grad, FAULT_BASES),
+    "burst": (_burst, FAULT_BASES),
+    "lr_pulse": (_lr_pulse, tuple(f for f in FAULT_BASES if _loop_lr(f))),
+    "hopeless": (_hopeless, FAULT_BASES),
+}
+
+
+# ---------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str  # "healthy", "fault" or "hopeless"
+    make: Callable[[random.Random], dict]
+    default_n: int
+
+    def configs(self, seed_base: int, n: int | None = None) -> list[dict]:
+        """``n`` configs (default: ``default_n``), the same for the same ``seed_base``."""
+        out = []
+        for i in range(self.default_n if n is None else n):
+            rng = random.Random(seed_of(self.name, seed_base, i))
+            cfg = self.make(rng)
+            cfg["seed"] = seed_of(self.name, seed_base, i, "seed")
+            out.append({"id": f"{self.name}-{seed_base}-{i:03d}", "family": self.name, **cfg})
+        return out
+
+
+def _fault_maker(fault: str) -> Callable[[random.Random], dict]:
+    maker, bases = FAULTS[fault]
+
+    def make(rng: random.Random) -> dict:
+        base_family = rng.choice(bases)
+        cfg = HEALTHY[base_family].make(rng)
+        cfg["base_family"] = base_family
+        cfg["fault"] = {"kind": fault, **maker(rng, cfg)}
+        return cfg
+    return make
+
+
+_HEALTHY_MAKERS = {
+    "regression_floor": (regression_floor, 7), "classify_noisy": (classify_noisy, 7), "chargpt": (chargpt, 7),
+    "warm_restarts": (warm_restarts, 7), "domain_switch": (domain_switch, 10), "curriculum": (curriculum, 8),
+    "finetune": (finetune, 7), "gauss_nll": (gauss_nll, 7), "cnn_bn": (cnn_bn, 7), "lstm_clip": (lstm_clip, 7),
+    "onecycle": (onecycle, 7), "grad_accum": (grad_accum, 7), "transient_heal": (transient_heal, 8),
+    "gan": (gan, 6), "lr_warmup": (lr_warmup, 7), "smallbatch": (smallbatch, 6),
+}
+HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
+FAULT_FAMILIES: dict[str, Family] = {
+    name: Family(name, "hopeless" if name == "hopeless" else "fault", _fault_maker(name), 8 if name == "hopeless" else 11)
+    for name in FAULTS}
+FAMILIES: dict[str, Family] = {**HEALTHY, **FAULT_FAMILIES}
+
+
+def twin_of(config: dict) -> dict:
+    """The fault-free twin of a faulted config: same run, no fault."""
+    twin = copy.deepcopy(config)
+    twin["fault"] = None
+    twin["id"] = config["id"] + "~twin"
+    return twin
+
+
+def all_configs(seed_base: int = 0, families: list[str] | None = None, n: int | None = None) -> list[dict]:
+    names = list(FAMILIES) if families is None else families
+    unknown = [f for f in names if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown families {unknown}: choose from {', '.join(FAMILIES)}")
+    return [c for name in names for c in FAMILIES[name].configs(seed_base, n)]

@@ -1,0 +1,289 @@
+"""The rescue benchmark's training loop: one config, one method -> one result (a JSON-able dict).
+
+The loop is written the plain-user way: it keeps its own step counter ``it`` (a rewind sets the
+model back, not the loop), draws batch ``it``, computes its LR schedule from ``it`` and writes it
+into the param groups -- or steps the torch scheduler it passed to ``watch(scheduler=...)``.
+Faults and events are applied the same way for every method (``Perturb``): data and sample
+weights in the batch; gradient faults between ``backward()`` and the loop's clipping (so every
+method, earlywarn's guard inside ``optimizer.step`` included, sees them); optimizer-state poison
+between two steps; an LR pulse through the loop's own schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+
+from rescue_peers import make_method
+from rescue_tasks import gen, make_task
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+HARNESS_FILES = ("rescue_tasks.py", "rescue_families.py", "rescue_peers.py", "rescue_harness.py",
+                 os.path.join("..", "examples", "tinygpt.py"))
+CURVE_BINS = 24
+
+
+# ---------------------------------------------------------------- schedules
+def lr_at(sched: dict, base: float, it: int, steps: int) -> float:
+    """The loop's own schedule (``const`` / ``cosine`` with linear warm-up)."""
+    if sched["kind"] == "const":
+        return base
+    warm = max(1, int(sched["warmup"] * steps))
+    if it < warm:
+        return base * (it + 1) / warm
+    progress = min(1.0, (it - warm) / max(1, steps - warm))
+    floor = sched["floor"]
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def torch_scheduler(sched: dict, opt: torch.optim.Optimizer, base: float, steps: int):
+    if sched["kind"] == "warm_restarts":
+        return torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+            opt, T_0=max(1, sched["T_0"]), T_mult=sched["T_mult"], eta_min=base * sched["eta_min_frac"])
+    if sched["kind"] == "onecycle":
+        momentum = "betas" in opt.defaults or opt.defaults.get("momentum", 0) > 0
+        return torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=base * sched["max_lr_factor"], total_steps=steps, pct_start=sched["pct_start"],
+            cycle_momentum=momentum)
+    return None
+
+
+# ---------------------------------------------------------------- faults and events
+class Perturb:
+    """The config's events (an outlier batch) and fault, as the loop applies them."""
+
+    def __init__(self, config: dict, task) -> None:
+        self.fault = config.get("fault") or {}
+        self.kind = self.fault.get("kind")
+        self.outlier = config.get("events", {}).get("outlier")
+        self.task, self.seed = task, config["seed"]
+        self.norms: list[float] = []  # recent gradient norms (only tracked for an outlier event)
+
+    def lr_factor(self, it: int) -> float:
+        f = self.fault
+        if self.kind == "lr_pulse" and f["at"] <= it < f["at"] + f["length"]:
+            return f["factor"]
+        return 1.0
+
+    def batch(self, it: int, micro: int, b: dict) -> dict:
+        f, kind = self.fault, self.kind
+        g = gen(self.seed, "perturb", it, micro)
+        n = len(b["y"] if "y" in b else b["x"])
+        if kind == "bad_batch" and it == f["at"] and micro == 0:
+            idx = torch.arange(n) if f["samples"] == "all" else torch.randperm(n, generator=g)[:f["samples"]]
+            if f["how"] == "nan_input":
+                b["x"] = b["x"].clone()
+                b["x"][idx] = math.nan
+            else:
+                b["w"] = torch.ones(n)
+                b["w"][idx] = math.inf if f["how"] == "inf_weight" else math.nan
+        if kind == "burst" and f["at"] <= it < f["at"] + f["length"]:
+            if f["how"] in ("scale", "both"):
+                for key in self.task.float_inputs:
+                    b[key] = b[key] * f["scale"]
+            if f["how"] in ("shuffle", "both"):
+                b["y"] = self._scrambled(b["y"], g)
+        if self.outlier and it == self.outlier["at"] and micro == 0:
+            b["y"] = self._scrambled(b["y"], g)
+            if b["y"].is_floating_point():
+                b["y"] = b["y"] + 3.0 * (b["y"].std() + 1.0)
+        return b
+
+    @staticmethod
+    def _scrambled(y: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        if y.is_floating_point():
+            return y[torch.randperm(len(y), generator=g)]
+        return y.flatten()[torch.randperm(y.numel(), generator=g)].view_as(y)  # labels / tokens shuffled
+
+    @torch.no_grad()
+    def grads(self, it: int, params: list) -> None:
+        f, kind = self.fault, self.kind
+        live = [p for p in params if p.grad is not None]
+        if self.outlier:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in live])))
+            if it == self.outlier["at"] and self.norms:
+                typical = sorted(self.norms[-20:])[len(self.norms[-20:]) // 2]
+                for p in live:  # the outlier batch's gradient, at `factor` x the typical norm
+                    p.grad.mul_(self.outlier["factor"] * typical / max(norm, 1e-12))
+            else:
+                self.norms.append(norm)
+        if kind == "huge_grad" and it == f["at"]:
+            for p in live:
+                p.grad.mul_(f["factor"])
+        if kind == "nonfinite_grad" and it in f["steps"] and live:
+            g = gen(self.seed, "nonfinite", it)
+            p = live[int(torch.randint(0, len(live), (1,), generator=g))]
+            flat = p.grad.view(-1)
+            n = flat.numel() if f["coords"] == "all" else min(f["coords"], flat.numel())
+            flat[torch.randperm(flat.numel(), generator=g)[:n]] = float(f["value"])
+
+    @torch.no_grad()
+    def after_step(self, it: int, opts: list) -> None:
+        f = self.fault
+        if self.kind != "poisoned_state" or it != f["at"]:
+            return
+        opt = opts[0]
+        names = {"second": ("exp_avg_sq", "square_avg", "sum", "momentum_buffer"),
+                 "first": ("exp_avg", "momentum_buffer", "square_avg", "sum")}[f["slot"]]
+        slots: list[torch.Tensor] = []
+        for name in names:  # the first of these slots the optimizer has (Adam: exp_avg_sq / exp_avg)
+            slots = [st[name] for st in opt.state.values() if torch.is_tensor(st.get(name)) and st[name].dim() > 0]
+            if slots:
+                break
+        if not slots:
+            return
+        g = gen(self.seed, "poison")
+        t = slots[int(torch.randint(0, len(slots), (1,), generator=g))].view(-1)
+        n = t.numel() if f["coords"] == "all" else min(f["coords"], t.numel())
+        t[torch.randperm(t.numel(), generator=g)[:n]] = math.nan
+
+
+# ---------------------------------------------------------------- one run
+def run_one(config: dict, method: str) -> dict:
+    """Train ``config`` with ``method``; the result dict is what the cache stores."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    res = {"id": config["id"], "family": config["family"], "fault": (config.get("fault") or {}).get("kind"),
+           "method": method, "halted": False, "halt_step": None, "halt_message": None, "error": None}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["EARLYWARN_OUTPUT_DIR"] = tmp  # a quarantine file, if any, stays out of the repo
+            _train(config, method, res)
+    except Exception:
+        res["error"] = traceback.format_exc(limit=6)
+    res["wall_s"] = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def _train(config: dict, method_name: str, res: dict) -> None:
+    import earlywarn
+
+    task = make_task(config)
+    steps, accum = config["steps"], config.get("accum", 1)
+    spec = dict(config["opt"])
+    fault = config.get("fault") or {}
+    if fault.get("kind") == "hopeless":
+        spec["lr"] = fault["lr"]
+    method = make_method(method_name)
+    opts = [method.optimizer(spec, task.params(k)) for k in range(task.n_opt)]
+    scheds = [torch_scheduler(config["sched"], o, spec["lr"], steps) for o in opts]
+    loop_lr = scheds[0] is None
+    perturb = Perturb(config, task)
+    res["E0"] = task.evaluate()
+    method.attach(task, opts, scheds)
+    losses = [[] for _ in opts]
+    it = 0
+    try:
+        for it in range(steps):
+            task.at_step(it)
+            for k, opt in enumerate(opts):
+                if loop_lr:
+                    lr = lr_at(config["sched"], spec["lr"], it, steps) * perturb.lr_factor(it)
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                if not _one_step(task, method, perturb, opt, k, it, accum, losses[k]):
+                    res["halted"], res["halt_step"], res["halt_message"] = True, it, "stopped: non-finite loss or grad norm"
+                    break
+                if scheds[k] is not None:
+                    scheds[k].step()
+            else:
+                perturb.after_step(it, opts)
+                continue
+            break
+    except earlywarn.Halt as exc:
+        res["halted"], res["halt_step"], res["halt_message"] = True, it, str(exc)
+    res.update(method.close())
+    res["steps_run"] = it + 1
+    res["E"] = task.evaluate()
+    res["params_finite"] = all(bool(torch.isfinite(p).all()) for m in task.models for p in m.parameters())
+    res["loss_curve"] = [_bins(l) for l in losses]
+
+
+def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
+    """One optimizer step of optimizer ``k``; False when the method stops the run."""
+    opt.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for micro in range(accum):
+        batch = perturb.batch(it, micro, task.batch(it, micro, k))
+        loss = task.loss(k, batch)
+        (loss / accum if accum > 1 else loss).backward()
+        method.report_loss(k, loss)
+        total = total + loss.detach()
+    loss = total / accum
+    losses.append(float(loss))
+    if k == 0:
+        perturb.grads(it, task.params(k))
+    norm = method.clip(k)
+    action = method.before_step(k, loss, norm)
+    if action == "stop":
+        return False
+    if action == "step":
+        method.step(k)
+    return True
+
+
+def _bins(values: list[float]) -> list[float | None]:
+    """The curve as CURVE_BINS means (None for a bin with a non-finite value)."""
+    if not values:
+        return []
+    n = len(values)
+    out = []
+    for i in range(min(CURVE_BINS, n)):
+        chunk = values[i * n // min(CURVE_BINS, n):(i + 1) * n // min(CURVE_BINS, n)]
+        out.append(round(sum(chunk) / len(chunk), 5) if all(math.isfinite(v) for v in chunk) else None)
+    return out
+
+
+# ---------------------------------------------------------------- cache keys
+def _hash_files(paths: list[str], root: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(paths):
+        h.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()[:16]
+
+
+def _tree_files(folder: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # does not follow earlywarn/integrations (a symlink)
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not os.path.islink(os.path.join(dirpath, d)))
+        out += [os.path.join(dirpath, f) for f in filenames if not f.endswith((".pyc", ".pyo"))]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def harness_hash() -> str:
+    return _hash_files([os.path.join(HERE, f) for f in HARNESS_FILES], ROOT) + "-torch" + torch.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def earlywarn_hash(root: str = ROOT) -> str:
+    """Every file under ``earlywarn/`` and ``integrations/`` in ``root``."""
+    return _hash_files(_tree_files(os.path.join(root, "earlywarn")) + _tree_files(os.path.join(root, "integrations")), root)
+
+
+def _zclip_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("zclip")
+    except PackageNotFoundError:
+        return "missing"
+
+
+def cache_key(config: dict, method: str, *, ew_root: str = ROOT) -> str:
+    """Depends on the config, the method, the harness's own files; and for earlywarn runs on
+    earlywarn's and the integrations' files (a change there re-runs earlywarn only)."""
+    payload = {"config": config, "method": method, "harness": harness_hash(),
+               "earlywarn": earlywarn_hash(ew_root) if method == "earlywarn" else None,
+               "zclip": _zclip_version() if method == "zclip" else None}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]

@@ -1,0 +1,161 @@
+"""The rescue benchmark's generator, peers, scoring and cache (benchmarks/rescue*.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import rescue  # noqa: E402
+import rescue_harness  # noqa: E402
+from rescue_families import FAMILIES, FAULT_FAMILIES, HEALTHY, twin_of  # noqa: E402
+from rescue_harness import cache_key, run_one  # noqa: E402
+from rescue_peers import SkipStepAdamW, SkipStepWindow  # noqa: E402
+
+
+def test_the_generator_has_the_families_and_sizes_the_benchmark_promises():
+    assert len(HEALTHY) >= 12 and sum(f.default_n for f in HEALTHY.values()) >= 110
+    faults = [f for f in FAULT_FAMILIES.values() if f.kind == "fault"]
+    assert len(faults) >= 6 and sum(f.default_n for f in faults) >= 66
+    assert FAULT_FAMILIES["hopeless"].kind == "hopeless"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_generates_valid_configs_deterministically(name):
+    fam = FAMILIES[name]
+    configs = fam.configs(0, 4)
+    assert configs == fam.configs(0, 4)
+    assert json.loads(json.dumps(configs)) == configs  # plain JSON
+    assert configs != fam.configs(1, 4)  # another seed base, other runs
+    assert len({c["id"] for c in configs}) == len({c["seed"] for c in configs}) == 4
+    for c in configs:
+        assert c["family"] == name and 150 <= c["steps"] <= 600
+        assert all(0 <= s < c["steps"] for s in c["task"].get("stages", []))
+        fault = c["fault"]
+        if fam.kind == "healthy":
+            assert fault is None
+        else:
+            assert fault["kind"] == name and c["base_family"] in HEALTHY
+            at = fault.get("at", (fault.get("steps") or [None])[0])
+            if at is not None:
+                assert 0.2 * c["steps"] - 1 <= at <= 0.7 * c["steps"] + 1
+            assert twin_of(c)["fault"] is None and twin_of(c)["task"] == c["task"]
+
+
+def _smallest(fam, n=4):
+    return min(fam.configs(0, n), key=lambda c: c["steps"] * (4 if c["task"]["name"] == "chargpt" else 1) * c["accum"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_one_config_of_every_healthy_family_trains_bare(name):
+    res = run_one(_smallest(HEALTHY[name]), "bare")
+    assert res["error"] is None, res["error"]
+    assert math.isfinite(res["E"]) and res["params_finite"] and not res["halted"]
+    assert res["E"] < res["E0"], (res["E0"], res["E"])
+
+
+def _strong(name: str) -> dict:
+    """The config of fault family ``name`` with the highest LR among its first Adam MLP ones,
+    its fault at the strong end of its range and late (less time to recover)."""
+    cfg = max((c for c in FAULT_FAMILIES[name].configs(0, 12)
+               if c["opt"]["name"] in ("adam", "adamw") and c["task"]["name"] in ("regression", "classify")),
+              key=lambda c: c["opt"]["lr"])
+    cfg = copy.deepcopy(cfg)
+    f, late = cfg["fault"], int(0.7 * cfg["steps"])
+    if name == "huge_grad":
+        f.update(at=late, factor=1e6)
+    elif name == "burst":
+        f.update(at=late, length=40, how="both", scale=200.0)
+    elif name == "lr_pulse":
+        f.update(at=late, length=30, factor=100.0)
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(n for n, f in FAULT_FAMILIES.items() if f.kind == "fault"))
+def test_one_config_of_every_fault_family_makes_the_bare_run_dying(name):
+    cfg = _strong(name)
+    bare, twin = run_one(cfg, "bare"), run_one(twin_of(cfg), "bare")
+    assert bare["error"] is None and twin["error"] is None
+    assert twin["E"] < twin["E0"]
+    assert rescue.is_dying(bare, twin), (name, bare["E0"], bare["E"], twin["E"])
+
+
+def _res(E0=2.0, E=1.0, halted=False, events=(), rewinds=0):
+    return {"E0": E0, "E": E, "halted": halted, "events": list(events), "counters": {"rewinds": rewinds}}
+
+
+def test_scoring_on_hand_made_numbers():
+    assert rescue.kept(2.0, 1.0, 0.0) == 0.5
+    assert rescue.kept(2.0, math.nan, 0.0) == 0.0 and rescue.kept(2.0, math.inf, 0.0) == 0.0
+    assert math.isnan(rescue.kept(2.0, 1.0, 2.5))  # the twin made no progress: undefined
+    assert rescue.kept(0.5, -0.5, -1.5) == 0.5  # losses below zero (Gaussian NLL)
+    bare = _res(E=1.0)
+    assert not any(rescue.healthy_harm(_res(E=1.0), bare).values())
+    assert rescue.healthy_harm(_res(E=1.03), bare)["worse"]  # kept 0.97 < 1 - 0.02
+    assert not rescue.healthy_harm(_res(E=1.01), bare)["worse"]
+    harm = rescue.healthy_harm(_res(halted=True, rewinds=1, events=[{"level": "critical"}]), bare)
+    assert harm == {"halted": True, "rewound": True, "critical": True, "worse": False}
+    twin = _res(E=0.0)
+    assert rescue.is_dying(_res(E=math.nan), twin) and rescue.is_dying(_res(E=0.3), twin)  # kept 0.85
+    assert not rescue.is_dying(_res(E=0.1), twin)  # kept 0.95
+    assert rescue.is_rescued(_res(E=0.1), twin) and not rescue.is_rescued(_res(E=0.1, halted=True), twin)
+    assert not rescue.is_rescued(_res(E=0.2), twin)  # kept 0.9
+
+
+def test_the_cache_key_follows_earlywarn_files_for_earlywarn_runs_only(tmp_path):
+    for folder, text in (("earlywarn", "a = 1\n"), ("integrations", "b = 1\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.py").write_text(text)
+    cfg = HEALTHY["regression_floor"].configs(0, 1)[0]
+
+    def keys():
+        rescue_harness.earlywarn_hash.cache_clear()
+        return {m: cache_key(cfg, m, ew_root=str(tmp_path)) for m in ("bare", "zclip", "earlywarn")}
+
+    before = keys()
+    assert before == keys()
+    for folder in ("earlywarn", "integrations"):
+        (tmp_path / folder / "m.py").write_text("changed = True\n")
+        after = keys()
+        assert after["earlywarn"] != before["earlywarn"]
+        assert after["bare"] == before["bare"] and after["zclip"] == before["zclip"]
+        before = after
+    other = dict(cfg, seed=cfg["seed"] + 1)
+    assert cache_key(other, "bare", ew_root=str(tmp_path)) != before["bare"]
+    rescue_harness.earlywarn_hash.cache_clear()
+
+
+def test_olmo_skipstep_waits_64_losses_and_a_nan_loss_holds_its_window_128_steps():
+    w = SkipStepWindow()
+    gen = torch.Generator().manual_seed(0)
+    factors = []
+    for i in range(400):
+        loss = torch.tensor(math.nan) if i == 150 else 2.0 + 0.01 * torch.randn((), generator=gen)
+        norm = torch.tensor(50.0) if i == 40 else 1.0 + 0.01 * torch.randn((), generator=gen)
+        w.push(loss, norm)
+        factors.append(float(w.factor()))
+    assert factors[40] == 1.0  # before the 64th loss: never skips
+    assert factors[150] == 0.0 and all(f == 0.0 for f in factors[150:150 + 129])
+    assert factors[150 + 129] == 1.0  # the NaN left the window
+
+
+def test_olmo_skipstep_adamw_skip_keeps_the_zero_times_nan_hole():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = SkipStepAdamW([p], lr=0.1)
+    opt.window.losses = [torch.tensor(1.0 + 0.01 * i) for i in range(100)] + [torch.tensor(100.0)]
+    opt.window.norms = [torch.tensor(1.0 + 0.01 * i) for i in range(101)]
+    p.grad = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    opt.step()  # a loss spike: factor 0, nothing moves
+    assert float(opt.last_factor) == 0.0 and torch.equal(p.detach(), torch.ones(4))
+    p.grad = torch.tensor([math.nan, 1.0, 1.0, 1.0])
+    opt.step()  # still factor 0 (the spike is in the window's tail); the NaN gradient poisons anyway
+    assert float(opt.last_factor) == 0.0
+    assert torch.isnan(opt.state[p]["exp_avg"][0]) and torch.isnan(p.detach()[0])
