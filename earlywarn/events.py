@@ -21,9 +21,9 @@ class Level(enum.IntEnum):
     INFO = 1
     """Worth knowing, nothing to do: an isolated spike that recovered, a loss-scale overflow."""
     WARNING = 2
-    """Collapse risk: escalating or sustained growth, or several layers at once."""
+    """Collapse risk (escalating or sustained growth), an outlier gradient, a loss far above its level."""
     CRITICAL = 3
-    """Non-finite gradient caught before the step, non-finite or diverged loss, poisoned state."""
+    """Non-finite gradient or loss, poisoned state, a rewind or a halt: earlywarn acted on a broken run."""
 
     @classmethod
     def parse(cls, value: "Level | str | int") -> "Level":
@@ -52,6 +52,7 @@ class Kind(str, enum.Enum):
     # detector alerts
     NONFINITE_GRAD = "nonfinite_grad"
     GRAD_SPIKE = "grad_spike"
+    GRAD_OUTLIER = "grad_outlier"
     COLLAPSE_RISK = "collapse_risk"
     LOSS_NONFINITE = "loss_nonfinite"
     LOSS_DIVERGED = "loss_diverged"
@@ -71,8 +72,8 @@ class Kind(str, enum.Enum):
         return self.value
 
 
-ALERT_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.LOSS_NONFINITE,
-                         Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW})
+ALERT_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.GRAD_SPIKE, Kind.GRAD_OUTLIER, Kind.COLLAPSE_RISK,
+                         Kind.LOSS_NONFINITE, Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW})
 """Kinds the detector emits (what happened); every other kind is an action or its outcome."""
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Iterable, Mapping
+import math
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from earlywarn._renamed import renamed
-from earlywarn.events import Event, Kind
+from earlywarn.events import Event, Kind, Level
 
-__all__ = ["Action", "Policy", "PolicyConfig", "PolicyDecision"]
+__all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
 
 
 class Action(str, enum.Enum):
@@ -68,7 +69,40 @@ class PolicyConfig:
     withdraws the rewind (:meth:`Policy.withdraw_rewind`)."""
 
     on_loss_diverged: Action | str = Action.REWIND
-    """LOSS_DIVERGED (critical): a divergence that did not recover; rewind."""
+    """LOSS_DIVERGED (warning): the loss has stayed far above its level. Rewind -- but only when the
+    run is losing what it learned through its own updates: an abnormal update (an outlier gradient
+    taken, an LR jump taken) in the ``divergence_lookback`` steps before the loss began to rise;
+    the rewind then goes back to before that update. A loss that moved to a new level with
+    ordinary updates before it is a change in the data (a new domain, a curriculum stage): the
+    warning stands, nothing is rewound (a rewind would meet the same data again)."""
+
+    on_grad_outlier: Action | str = Action.SKIP
+    """GRAD_OUTLIER (warning): a finite gradient far above its typical norm, read before its update
+    (sync mode): skip that update, parameters and optimizer state untouched, the batch quarantined
+    (Adam's second moment inflated by a 1e4x gradient would stall the run for thousands of steps).
+    Async mode reads it after its update was applied and cannot skip it."""
+
+    outlier_skips_quiet: int = 3
+    """Outliers in a row while the loss stays at its level are a new regime (an unfrozen backbone,
+    a stage with larger gradients), not bad batches: after this many skips they are applied (a
+    burst of corrupt batches moves the loss too, and keeps being skipped)."""
+
+    lr_probe_steps: int = 5
+    """After an LR jump (COLLAPSE_RISK on the learning rate, a clean copy saved before its update),
+    the next this-many steps are watched. A gradient ``lr_probe_grad_ratio`` times its typical
+    norm, a loss ``lr_probe_loss_ratio`` times its level, a warning or a non-finite value there
+    rewinds to that copy and holds the learning rate at the highest the run had survived for as
+    long as the loop's stays above it (an LR pulse: earlywarn steps at the old LR until it ends).
+    A jump the run takes calmly is kept. 0: an LR jump is only checkpointed."""
+
+    lr_probe_grad_ratio: float = 2.5
+    """See ``lr_probe_steps``."""
+
+    lr_probe_loss_ratio: float = 1.5
+    """See ``lr_probe_steps``."""
+
+    divergence_lookback: int = 50
+    """See ``on_loss_diverged``: how far before the loss began to rise an abnormal update counts."""
 
     on_grad_spike: Action | str = Action.NONE
     """GRAD_SPIKE (info): an isolated spike that already recovered; nothing to do."""
@@ -121,10 +155,14 @@ class PolicyConfig:
                                      "poisoned optimizer state; use none, checkpoint, skip, rewind or halt")
         for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
                      "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds_per_window",
-                     "rewind_window"):
+                     "rewind_window", "outlier_skips_quiet", "lr_probe_steps", "divergence_lookback"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use an int >= 0")
+        for name in ("lr_probe_grad_ratio", "lr_probe_loss_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 1.0:
+                raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use a ratio > 1 (value / its typical value)")
         for name in ("checkpoint_window", "rewind_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PolicyConfig.{name}={getattr(self, name)!r} is invalid: use a window of >= 1 step")
@@ -147,6 +185,7 @@ _KIND_FIELD = {
     Kind.LOSS_NONFINITE: "on_loss_nonfinite",
     Kind.LOSS_DIVERGED: "on_loss_diverged",
     Kind.GRAD_SPIKE: "on_grad_spike",
+    Kind.GRAD_OUTLIER: "on_grad_outlier",
     Kind.SCALER_OVERFLOW: "on_scaler_overflow",
 }
 
@@ -161,6 +200,15 @@ def _with_state(action: Action, kind: Kind, state_finite: bool | None) -> Action
     if not state_finite and action is Action.SKIP:
         return Action.REWIND
     return action
+
+
+class Evidence(NamedTuple):
+    """What the policy reads of a step besides its alerts (NaN: not known, e.g. before a baseline)."""
+
+    grad_ratio: float = math.nan
+    """The global gradient norm over its typical value."""
+    loss_ratio: float = math.nan
+    """The loss over its typical value (as the detector's loss channel tracks it)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +227,13 @@ class PolicyDecision:
     """Why this step halts."""
     nonfinite_streak: int = 0
     """Non-finite steps in a row up to this one (before a granted rewind starts it over)."""
+    onset_back: int = 0
+    """A rewind's incident began this many steps back, this one counted (1: this step; 0: the
+    alerts say when); the rewind goes back to before it."""
+    lr_ceiling: float | None = None
+    """After this step's rewind, step at no more than this learning rate while the loop's is above it."""
+    lr_copy: bool = False
+    """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
 
     def __contains__(self, action: object) -> bool:
         return action in self.actions
@@ -193,8 +248,9 @@ _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)
 
 
 class Policy:
-    """``policy.decide(step, alerts) -> PolicyDecision``. The policy's own state (cooldowns, rate
-    limits, the non-finite streak) is declared in ``__init__`` and saved by :meth:`state_dict`."""
+    """``policy.decide(step, alerts, evidence) -> PolicyDecision``. The policy's own state (cooldowns,
+    rate limits, the non-finite streak, the outliers in a row, the latest abnormal update, the LR
+    jump under watch) is declared in ``__init__`` and saved by :meth:`state_dict`."""
 
     def __init__(self, cfg: PolicyConfig | None = None):
         self.cfg = cfg if cfg is not None else PolicyConfig()
@@ -207,9 +263,12 @@ class Policy:
         self.checkpoints: deque[int] = deque()
         self.last_rewind = -(1 << 60)
         self.rewinds: deque[int] = deque()
+        self.quiet_outliers = 0  # outliers in a row skipped while the loss stayed at its level
+        self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
+        self.probe: tuple[int, float] | None = None  # (tick of an LR jump, the highest LR survived before it)
 
-    def decide(self, step: int, alerts: Iterable[Event], *, state_finite: bool | None = None,
-               skipped: bool = False, repairable: bool = False) -> PolicyDecision:
+    def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
+               state_finite: bool | None = None, skipped: bool = False, repairable: bool = False) -> PolicyDecision:
         """``state_finite``: on a step with a non-finite loss or gradient, whether the guard found
         parameters and optimizer state finite (``None``: not checked). ``True``: the bad step was
         never applied and a lone non-finite step is one bad batch -- a rewind it would ask for
@@ -220,12 +279,15 @@ class Policy:
         starts over: the repair acted on what made the steps non-finite). ``skipped``: the guard
         skips this step for a reason of its own (a finite gradient whose square overflows): it
         counts toward the streak like a non-finite one (a state that gives every batch such a
-        gradient is broken)."""
+        gradient is broken). ``evidence``: the step's gradient and loss over their typical values."""
         cfg = self.cfg
         self.tick += 1
         t = self.tick
+        alerts = list(alerts)
         wanted: dict[Action, str] = {}
+        reasons: list[str] = []
         triggers: list[str] = []
+        back, ceiling, lr_copy = 0, None, False
         nonfinite_now = warned_now = False
         for a in alerts:
             field = _KIND_FIELD.get(a.kind)
@@ -234,6 +296,12 @@ class Policy:
             nonfinite_now |= a.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE)
             warned_now |= a.kind is Kind.COLLAPSE_RISK
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
+            if a.kind is Kind.GRAD_OUTLIER:
+                action = self._outlier(a, action, reasons)
+            elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
+                action, back = self._divergence(a, t, reasons)
+            elif a.kind is Kind.COLLAPSE_RISK and a.signal == "lr" and cfg.lr_probe_steps:
+                self.probe, lr_copy = (t, float(a.values.get("baseline", math.nan))), True
             if action is Action.REWIND:
                 triggers.append(str(a.kind))
             if action is not Action.NONE:
@@ -244,8 +312,15 @@ class Policy:
         if cfg.rewind_after_nonfinite and streak >= cfg.rewind_after_nonfinite:
             triggers.append("nonfinite_streak")
             wanted.setdefault(Action.REWIND, f"{streak} non-finite steps in a row")
+        if self.probe is not None and not lr_copy:
+            probe_back, ceiling = self._probe(alerts, evidence, t, nonfinite_now or skipped)
+            if probe_back:
+                triggers.append("lr_jump")
+                wanted.setdefault(Action.REWIND, f"the run became unstable {probe_back - 1} step(s) after "
+                                                 "a learning-rate jump")
+                back = max(back, probe_back)
 
-        reasons = self._checkpoint(wanted, warned_now, t)
+        reasons += self._checkpoint(wanted, warned_now, t)
         suppressed: tuple[str, ...] = ()
         if Action.REWIND in wanted:
             if repairable and set(triggers) <= _NONFINITE_KINDS:
@@ -258,10 +333,63 @@ class Policy:
                     reasons.append(note)
                     suppressed = (note,)
         actions = tuple(sorted(wanted, key=_SEVERITY.__getitem__, reverse=True))
+        self._after(actions, alerts, t, nonfinite_now or skipped)
+        restores = Action.REWIND in wanted or Action.REPAIR in wanted
         return PolicyDecision(
             actions=actions, reasons=tuple(f"{a.value}: {wanted[a]}" for a in actions) + tuple(reasons),
-            suppressed=suppressed, rewind_triggers=tuple(triggers) if Action.REWIND in wanted
-            or Action.REPAIR in wanted else (), halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak)
+            suppressed=suppressed, rewind_triggers=tuple(triggers) if restores else (),
+            halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak,
+            onset_back=back if Action.REWIND in wanted else 0,
+            lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores)
+
+    # -- the rules that read more than one alert -----------------------------------------------
+    def _outlier(self, a: Event, action: Action, reasons: list[str]) -> Action:
+        """An outlier gradient is skipped, unless outliers keep coming while the loss stays at its
+        level (a new regime): after ``outlier_skips_quiet`` of them, it is taken."""
+        loss_ratio = a.values.get("loss_ratio", math.nan)
+        quiet = not loss_ratio >= self.cfg.lr_probe_loss_ratio  # NaN: no loss to say otherwise
+        self.quiet_outliers = self.quiet_outliers + 1 if quiet else 0
+        if action is Action.SKIP and self.quiet_outliers > self.cfg.outlier_skips_quiet:
+            reasons.append(f"no skip for the outlier at step {a.step}: {self.quiet_outliers} in a row with the "
+                           "loss at its level, a new regime (PolicyConfig.outlier_skips_quiet)")
+            return Action.NONE
+        return action
+
+    def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int]:
+        """A loss far above its level is rewound only when an abnormal update came before its rise."""
+        onset = t - int(a.values.get("steps", 1.0)) + 1
+        ab = self.abnormal
+        if ab is not None and onset - self.cfg.divergence_lookback <= ab < onset:
+            return Action.REWIND, t - ab + 1
+        reasons.append(f"no rewind for {a.kind} at step {a.step}: the loss rose with no abnormal update before it "
+                       "(a change in the data?); a rewind would meet the same data again")
+        return Action.NONE, 0
+
+    def _probe(self, alerts: list[Event], ev: Evidence, t: int, bad: bool) -> tuple[int, float | None]:
+        """The steps after an LR jump: unstable -> (steps back to the jump, the LR to hold)."""
+        cfg = self.cfg
+        t0, survived = self.probe  # type: ignore[misc]
+        if t - t0 > cfg.lr_probe_steps:
+            self.probe = None  # taken calmly: the run keeps the new learning rate
+            return 0, None
+        unstable = (bad or ev.grad_ratio >= cfg.lr_probe_grad_ratio or ev.loss_ratio >= cfg.lr_probe_loss_ratio
+                    or any(x.level >= Level.WARNING and x.kind in _KIND_FIELD for x in alerts))
+        if not unstable:
+            return 0, None
+        self.probe = None
+        return t - t0, survived if survived == survived and survived > 0 else None
+
+    def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool) -> None:
+        """What the update of this step (when it is applied) leaves for later judgements."""
+        if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
+            if Action.REWIND in actions:
+                self.abnormal, self.probe, self.quiet_outliers = None, None, 0  # the trajectory after it is undone
+            return
+        kinds = {a.kind for a in alerts}
+        if Kind.GRAD_OUTLIER in kinds or self.probe is not None and self.probe[0] == t:
+            self.abnormal = t  # an outlier or an LR jump applied: a loss that rises after it is the run's
+        if Kind.GRAD_OUTLIER not in kinds:
+            self.quiet_outliers = 0
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
@@ -312,7 +440,8 @@ class Policy:
         return {"tick": self.tick, "nonfinite_streak": self.nonfinite_streak,
                 "last_checkpoint": self.last_checkpoint, "last_warning": self.last_warning,
                 "checkpoints": list(self.checkpoints), "last_rewind": self.last_rewind,
-                "rewinds": list(self.rewinds)}
+                "rewinds": list(self.rewinds), "quiet_outliers": self.quiet_outliers,
+                "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe)}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.tick = int(d["tick"])
@@ -322,3 +451,7 @@ class Policy:
         self.checkpoints = deque(int(v) for v in d["checkpoints"])
         self.last_rewind = int(d["last_rewind"])
         self.rewinds = deque(int(v) for v in d["rewinds"])
+        self.quiet_outliers = int(d.get("quiet_outliers", 0))
+        self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
+        probe = d.get("probe")
+        self.probe = None if probe is None else (int(probe[0]), float(probe[1]))

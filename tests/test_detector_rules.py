@@ -56,7 +56,7 @@ def _noisy(kind: str, n: int = 3000, seed: int = 0):
 
 
 @pytest.mark.parametrize("kind", ["cls_b8", "mse_floor", "finetune_b4", "nll"])
-def test_healthy_noisy_loss_runs_raise_no_critical_and_real_divergences_are_critical(kind):
+def test_healthy_noisy_loss_runs_raise_no_critical_and_real_divergences_are_seen(kind):
     loss, g = _noisy(kind)
     res = replay(_run(loss, g))
     assert not [a for a in res.alerts if a.level == Level.CRITICAL], [str(a) for a in res.alerts][:3]
@@ -65,7 +65,8 @@ def test_healthy_noisy_loss_runs_raise_no_critical_and_real_divergences_are_crit
         bad = np.concatenate([loss, (np.abs(loss[-1]) + 1.0) * mult * np.ones(30)])
         res = replay(_run(bad, np.concatenate([g, g[-30:]])))
         div = [a for a in res.alerts if a.kind == Kind.LOSS_DIVERGED]
-        assert div and div[0].level == Level.CRITICAL and div[0].step == len(loss) + n - 1, (mult, kind)
+        # a warning: whether it is a collapse or a change in the data is the guard's to read
+        assert div and div[0].level == Level.WARNING and div[0].step == len(loss) + n - 1, (mult, kind)
     res = replay(_run(np.append(loss, np.nan), np.append(g, g[-1])))
     assert res.alerts[-1].kind == Kind.LOSS_NONFINITE and res.alerts[-1].step == len(loss)
 
@@ -96,7 +97,7 @@ def test_a_loss_at_or_below_zero_keeps_its_channel_and_its_rules():
     assert -9.0 < base < -6.0
     alerts = [a for i in range(260, 280) for a in sd.observe(Observation(step=i, loss=5.0))]
     div = [a for a in alerts if a.kind == Kind.LOSS_DIVERGED]
-    assert div and div[0].level == Level.CRITICAL and "far above its baseline" in div[0].message
+    assert div and div[0].level == Level.WARNING and "far above its baseline" in div[0].message
     assert div[0].values["value"] == 5.0 and div[0].values["baseline"] < -6.0
     (a,) = sd.observe(Observation(step=280, loss=float("-inf")))
     assert a.kind == Kind.LOSS_NONFINITE and a.message.startswith("Loss is -inf")
@@ -291,7 +292,10 @@ def test_one_bad_batch_warns_only_while_the_lr_climbs():
         res = replay(_rise_run(kind, 1.0, 1.0, 0)[:300] + [
             Observation(step=300, grad_norm=20.0, loss=2.9, extras={} if kind is None else {"lr": {
                 "climbs": 3.01e-2, "flat": 1e-3, "decays": 1e-3 * math.exp(-300 / 500)}[kind]})])
-        assert bool([a for a in res.alerts if a.level >= Level.WARNING]) == warned, kind
+        collapse = [a for a in res.alerts if a.kind == Kind.COLLAPSE_RISK]
+        assert bool(collapse) == warned, kind
+        # a 20x gradient is an outlier whatever the LR does (the guard skips it)
+        assert [a.step for a in res.alerts if a.kind == Kind.GRAD_OUTLIER] == [300], kind
         assert not [a for a in res.alerts if a.level == Level.CRITICAL]
 
 

@@ -10,12 +10,14 @@ from earlywarn.events import Event, Kind, Level
 from earlywarn.policy import Action, Policy, PolicyConfig
 
 LEVEL = {Kind.NONFINITE_GRAD: Level.CRITICAL, Kind.COLLAPSE_RISK: Level.WARNING,
-         Kind.LOSS_NONFINITE: Level.CRITICAL, Kind.LOSS_DIVERGED: Level.CRITICAL,
-         Kind.GRAD_SPIKE: Level.INFO, Kind.SCALER_OVERFLOW: Level.INFO}
+         Kind.LOSS_NONFINITE: Level.CRITICAL, Kind.LOSS_DIVERGED: Level.WARNING,
+         Kind.GRAD_SPIKE: Level.INFO, Kind.SCALER_OVERFLOW: Level.INFO, Kind.GRAD_OUTLIER: Level.WARNING}
 
 
-def ev(step: int, kind: Kind) -> Event:
-    return Event(step=step, kind=kind, level=LEVEL[kind], message=f"{kind} at {step}")
+def ev(step: int, kind: Kind, **values) -> Event:
+    signal = values.pop("signal", None)
+    return Event(step=step, kind=kind, level=LEVEL[kind], message=f"{kind} at {step}", signal=signal,
+                 values=values)
 
 
 def run(policy: Policy, script: dict[int, list[Kind]], steps: int) -> dict[int, list[Action]]:
@@ -34,9 +36,11 @@ def test_defaults_map_each_alert_to_its_documented_action():
     assert not p.decide(2, [ev(2, Kind.SCALER_OVERFLOW)]).actions
     assert p.decide(3, [ev(3, Kind.NONFINITE_GRAD)]).actions == (Action.SKIP,)
     assert p.decide(4, [ev(4, Kind.COLLAPSE_RISK)]).actions == (Action.CHECKPOINT,)
-    d = p.decide(5, [ev(5, Kind.LOSS_DIVERGED)])
-    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("loss_diverged",)
-    assert "rewind" in d.reasons[0] and "loss_diverged" in d.reasons[0]
+    assert p.decide(5, [ev(5, Kind.LOSS_NONFINITE)]).actions == (Action.REWIND,)
+    assert p.decide(6, [ev(6, Kind.GRAD_OUTLIER, ratio=1e4, loss_ratio=1.0, steps=1)]).actions == (Action.SKIP,)
+    # a diverged loss with nothing abnormal before it: a change in the data, no rewind
+    d = p.decide(7, [ev(7, Kind.LOSS_DIVERGED, steps=8)])
+    assert not d.actions and "no abnormal update before it" in d.reasons[0]
 
 
 def test_nonfinite_streak_turns_skips_into_a_rewind_then_starts_over():
@@ -90,7 +94,7 @@ def test_poisoned_optimizer_state_alone_is_repaired_not_rewound():
     d = p.decide(0, [ev(0, Kind.NONFINITE_GRAD)], state_finite=False, repairable=True)
     assert d.actions == (Action.REPAIR,) and d.rewind_triggers == ("nonfinite_grad",)
     assert not p.rewinds and p.nonfinite_streak == 0  # the repair acted: the streak starts over
-    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]).actions == (Action.REWIND,)  # neither cooldown nor limit hit
+    assert p.decide(1, [ev(1, Kind.LOSS_NONFINITE)]).actions == (Action.REWIND,)  # neither cooldown nor limit hit
     # a divergence or a streak is not the optimizer state's alone: a rewind, repairable or not
     p = Policy()
     for s in range(2):
@@ -121,7 +125,7 @@ def test_warning_checkpoints_have_cooldown_hysteresis_and_a_rate_limit():
 def test_too_many_rewinds_within_the_window_halt_the_run():
     cfg = PolicyConfig(rewind_cooldown=5, max_rewinds_per_window=3, rewind_window=100)
     p = Policy(cfg)
-    acts = run(p, {s: [Kind.LOSS_DIVERGED] for s in (10, 12, 20, 30, 40)}, 50)
+    acts = run(p, {s: [Kind.LOSS_NONFINITE] for s in (10, 12, 20, 30, 40)}, 50)
     assert acts[10] == [Action.REWIND]
     assert 12 not in acts  # inside the cooldown
     assert acts[20] == [Action.REWIND] and acts[30] == [Action.REWIND]
@@ -133,10 +137,10 @@ def test_too_many_rewinds_within_the_window_halt_the_run():
 
 
 def test_configured_actions_and_none():
-    p = Policy(PolicyConfig(on_collapse_risk="skip", on_loss_diverged=Action.HALT, on_nonfinite_grad="none",
+    p = Policy(PolicyConfig(on_collapse_risk="skip", on_loss_nonfinite=Action.HALT, on_nonfinite_grad="none",
                             rewind_after_nonfinite=0))
     assert p.decide(0, [ev(0, Kind.COLLAPSE_RISK)]).actions == (Action.SKIP,)
-    assert p.decide(1, [ev(1, Kind.LOSS_DIVERGED)]).actions == (Action.HALT,)
+    assert p.decide(1, [ev(1, Kind.LOSS_NONFINITE)]).actions == (Action.HALT,)
     for s in range(2, 10):
         assert not p.decide(s, [ev(s, Kind.NONFINITE_GRAD)]).actions
     # action events (the guard's own records) are not inputs
@@ -180,7 +184,7 @@ def test_state_dict_round_trip_mid_run_gives_the_same_decisions():
     for s in range(0, 400, 7):
         script[s] = [Kind.COLLAPSE_RISK]
     for s in (50, 51, 52, 53, 120, 200, 230, 260, 300):
-        script.setdefault(s, []).append(Kind.NONFINITE_GRAD if s < 60 else Kind.LOSS_DIVERGED)
+        script.setdefault(s, []).append(Kind.NONFINITE_GRAD if s < 60 else Kind.LOSS_NONFINITE)
     cfg = PolicyConfig(checkpoint_cooldown=30, checkpoint_rearm=0, rewind_cooldown=10, rewind_window=150)
     whole = run(Policy(cfg), script, 400)
     for cut in (1, 52, 121, 255):
@@ -200,3 +204,62 @@ def test_action_parse_and_str():
     assert Action.parse("Rewind") is Action.REWIND and str(Action.HALT) == "halt"
     with pytest.raises(ValueError, match="unknown action"):
         Action.parse("pause")
+
+
+# -- the response to finite trouble (issue 20) -------------------------------------------------------
+
+def test_an_outlier_is_skipped_and_a_quiet_run_of_them_is_a_new_regime():
+    p = Policy()
+    out = lambda s, loss_ratio=1.0: [ev(s, Kind.GRAD_OUTLIER, ratio=30.0, loss_ratio=loss_ratio, steps=1)]
+    acts = [p.decide(s, out(s)).actions for s in range(10, 16)]
+    # three skips while the loss stays at its level, then the new level is taken
+    assert acts[:3] == [(Action.SKIP,)] * 3 and acts[3:] == [()] * 3
+    # a burst of corrupt batches moves the loss too: skipped however long it lasts
+    p = Policy()
+    assert all(p.decide(s, out(s, loss_ratio=40.0)).actions == (Action.SKIP,) for s in range(20, 60))
+    assert p.nonfinite_streak == 0  # outliers are no non-finite streak: nothing to rewind
+
+
+def test_a_diverged_loss_is_rewound_only_after_an_abnormal_update_and_to_before_it():
+    cfg = PolicyConfig(outlier_skips_quiet=0)  # the outlier is taken (a new regime), then the loss rises
+    p = Policy(cfg)
+    assert not p.decide(100, [ev(100, Kind.GRAD_OUTLIER, ratio=20.0, loss_ratio=1.0, steps=1)]).actions
+    for s in range(101, 110):
+        p.decide(s, [])
+    d = p.decide(110, [ev(110, Kind.LOSS_DIVERGED, steps=8)])  # the rise began at 103
+    assert d.actions == (Action.REWIND,) and d.onset_back == 11  # back to before step 100
+    # the same rise with no abnormal update before it: a change in the data
+    p = Policy(cfg)
+    for s in range(50, 110):
+        p.decide(s, [])
+    assert not p.decide(110, [ev(110, Kind.LOSS_DIVERGED, steps=8)]).actions
+    # an abnormal update long before the rise (beyond divergence_lookback) explains nothing
+    p = Policy(cfg)
+    p.decide(10, [ev(10, Kind.GRAD_OUTLIER, ratio=20.0, loss_ratio=1.0, steps=1)])
+    for s in range(11, 110):
+        p.decide(s, [])
+    assert not p.decide(110, [ev(110, Kind.LOSS_DIVERGED, steps=8)]).actions
+
+
+def test_an_lr_jump_is_copied_and_watched_and_an_unstable_run_rewinds_with_the_lr_held():
+    from earlywarn.policy import Evidence
+
+    jump = [ev(50, Kind.COLLAPSE_RISK, signal="lr", baseline=1e-3, ratio=50.0)]
+    p = Policy()
+    d = p.decide(50, jump)
+    assert d.lr_copy and Action.CHECKPOINT in d  # a clean copy before the jump's update
+    assert not p.decide(51, [], Evidence(1.2, 1.0)).actions
+    d = p.decide(52, [], Evidence(6.0, 1.1))  # two steps after the jump the gradient is 6x
+    assert d.actions == (Action.REWIND,) and d.lr_ceiling == 1e-3 and d.onset_back == 2
+    assert d.rewind_triggers == ("lr_jump",)
+    # a jump the run takes calmly is kept
+    p = Policy()
+    p.decide(50, jump)
+    assert all(not p.decide(s, [], Evidence(1.3, 1.05)).actions for s in range(51, 60))
+    assert p.probe is None
+    # the probe and the latest abnormal update survive a save and a load
+    p = Policy()
+    p.decide(50, jump)
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.decide(51, [], Evidence(9.0, 1.0)).lr_ceiling == 1e-3

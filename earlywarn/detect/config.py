@@ -184,12 +184,30 @@ class DetectorConfig:
     together on ordinary batches). Counts layers at or above ``warn_ratio``. Per-layer signals
     otherwise never warn on their own; they name the layer that moved first."""
 
+    outlier_ratio: float = 10.0
+    """A finite global gradient norm that is elevated and at least this many times its typical
+    value is an *outlier*: a GRAD_OUTLIER warning at its own step, read before its update (the
+    guard skips that update by default: an Adam second moment inflated by a 1e4x gradient
+    stalls the run for thousands of steps). ``values["steps"]`` counts outliers in a row and
+    ``values["loss_ratio"]`` says whether the loss moved too (a corrupt batch) or not. On the
+    generated runs of ``benchmarks/rescue.py`` healthy runs reach 15x on one step at most (an
+    outlier batch, a late unfreeze) and faults 20x-1e6x. ``inf`` turns the rule off."""
+
+    init_loss_ratio: float = 3.0
+    """The first steps are watched too: until the loss has a baseline (``warmup_steps`` values),
+    a loss at least this many times its value at initialisation two steps in a row is a
+    COLLAPSE_RISK warning (a learning rate far too high from step 0 takes the loss there within
+    a few steps; a loss <= 0 is compared as the loss channel tracks it). ``inf`` turns it off."""
+
     jump_ratio: float = float("inf")
     """A single step at this ratio or more is a ``warning`` on its own. Off by default: one spiky
     step (a bad batch reaches 1000x) is not a collapse; escalation is."""
 
     loss_diverge_ratio: float = 1.5
-    """``critical`` LOSS_DIVERGED when the loss stays at or above this ratio to its baseline ..."""
+    """A LOSS_DIVERGED warning when the loss stays at or above this ratio to its baseline ...
+    (a warning, not more: a loss that moved to a new level may be a change in the data; the
+    guard's response reads what came before it -- an abnormal update, an LR jump -- and only
+    then rewinds)."""
 
     loss_diverge_z: float = 2.0
     """... and at least this many of its own robust scales above it on each of those steps (its
@@ -247,7 +265,8 @@ class DetectorConfig:
             if not (isinstance(v, (int, float)) and v > 0) or math.isnan(v):
                 bad(name, "use a number > 0 (inf turns the rule off)")
         for name in ("spike_ratio", "loss_spike_ratio", "growth", "loss_growth", "warn_ratio",
-                     "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio", "lr_jump_ratio"):
+                     "loss_warn_ratio", "jump_ratio", "loss_diverge_ratio", "lr_jump_ratio", "outlier_ratio",
+                     "init_loss_ratio"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 1.0) or math.isnan(v):
                 bad(name, "use a ratio >= 1 (value / baseline)")

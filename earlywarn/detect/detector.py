@@ -347,6 +347,16 @@ class StreamingDetector:
         m *= self._A
         return m if m > 0.0 else 0.0
 
+    def ratios(self) -> tuple[float, float]:
+        """The latest step's global gradient norm and loss over their typical values (NaN where a
+        signal was absent or has no baseline yet): what the guard's response reads besides the
+        alerts. Two exponentials, no allocation."""
+        w = self._w
+        if not w.has_dev:
+            return math.nan, math.nan
+        g, loss = float(w.dev[GRAD]), float(w.dev[LOSS])
+        return (math.exp(g) if g == g else math.nan), (math.exp(loss) if loss == loss else math.nan)
+
     @property
     def level(self) -> Level:
         """Worst level raised at the latest step."""

@@ -98,6 +98,8 @@ def general_step(t: Thresholds, w: Work, obs: Observation, pattern: int) -> list
     hot = streaks(t, w, d, v.logv, bad.skipped)
     alerts = critical(t, w, obs, bad, d, v)
     moved = episode_moves(w, d, int(obs.step))
+    alerts += outlier(t, w, obs, d, bad)
+    alerts += early(t, w, obs, d, v)
     since = w.since_warn + 1 if w.since_warn < BIG else BIG
     if since >= t.cfg.rearm_steps and not bad.skipped:
         warning = warn(t, w, obs, pattern, d, v, ev, lr, prev_run)
@@ -336,6 +338,38 @@ def critical(t: Thresholds, w: Work, obs: Observation, bad: Trouble, d: Deviatio
             w.loss_div = 0
             w.loss_div_fired = False
     return alerts
+
+
+def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Trouble) -> list[Event]:
+    """GRAD_OUTLIER: the global gradient norm elevated and ``outlier_ratio`` times its typical
+    value or more, reported at its own step (the guard reads it before the update)."""
+    if bad.skipped or not d.elevated[GRAD] or d.dev[GRAD] < t.log_outlier:
+        w.outliers = 0
+        return []
+    w.outliers += 1
+    w.ep_warned = True  # said now, at the step itself: no spike info when the episode ends
+    loss_ratio = math.exp(float(d.dev[LOSS])) if d.judged[LOSS] else NAN
+    return [messages.outlier_event(obs, w, float(d.dev[GRAD]), loss_ratio, ordered_layers(w, d, t.cfg.max_layers_listed))]
+
+
+def early(t: Thresholds, w: Work, obs: Observation, d: Deviations, v: Values) -> list[Event]:
+    """The first steps, before the loss has a baseline: its value at initialisation is the prior.
+    A loss ``init_loss_ratio`` times that two steps in a row is a COLLAPSE_RISK warning, once."""
+    y = v.logv[LOSS]
+    if not y == y or w.init_warned:  # no (finite, shifted > 0) loss this step, or said already
+        return []
+    if not w.loss_first == w.loss_first:
+        w.loss_first = v.given[LOSS]
+        return []
+    first = w.loss_first + w.loss_shift
+    if d.warm[LOSS] or not first > 0.0:
+        return []
+    ratio_log = y - _log(first)
+    w.init_high = w.init_high + 1 if ratio_log >= t.log_init else 0
+    if w.init_high < 2:
+        return []
+    w.init_warned = True
+    return [messages.early_event(obs, w, math.exp(ratio_log), v.given[LOSS])]
 
 
 def episode_moves(w: Work, d: Deviations, step: int) -> bool:

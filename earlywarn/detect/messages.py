@@ -137,6 +137,35 @@ def spike_event(obs: Observation, w: Work) -> Event:
         batch=obs.batch)
 
 
+def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, layers: tuple[str, ...]) -> Event:
+    """GRAD_OUTLIER: a finite gradient far above its typical norm, at its own step."""
+    base = math.exp(float(w.baseline[GRAD]))
+    ratio = math.exp(dev)
+    where = f", first in {layers[0]}" if layers else ""
+    run = f" ({w.outliers} in a row)" if w.outliers > 1 else ""
+    loss = ("; the loss too is " + times(loss_ratio) + " its baseline") if loss_ratio == loss_ratio and loss_ratio >= 1.5 else ""
+    return Event(
+        step=int(obs.step), kind=Kind.GRAD_OUTLIER, level=Level.WARNING, signal="grad_norm", layers=layers,
+        message=(f"Outlier gradient at step {obs.step}: grad_norm {fmt(ratio * base)} is {times(ratio)} its "
+                 f"typical {fmt(base)}{where}{run}{loss}. Applied, it would inflate the optimizer's moments "
+                 "for thousands of steps."),
+        values={"ratio": ratio, "value": ratio * base, "baseline": base, "loss_ratio": loss_ratio,
+                "steps": float(w.outliers)},
+        batch=obs.batch)
+
+
+def early_event(obs: Observation, w: Work, ratio: float, loss: float) -> Event:
+    """COLLAPSE_RISK in the first steps: the loss far above its value at initialisation."""
+    return Event(
+        step=int(obs.step), kind=Kind.COLLAPSE_RISK, level=Level.WARNING, signal="loss", layers=(),
+        message=(f"In its first steps the loss rose to {times(ratio)} its value at initialisation "
+                 f"({fmt(w.loss_first)} -> {fmt(loss)}) and stayed there: the learning rate is likely far too "
+                 "high (or the data or the loss is broken)."),
+        values={"value": loss, "baseline": w.loss_first, "ratio": ratio, "z": NAN, "cusum": NAN,
+                "steps": float(w.init_high), "layers_elevated": 0.0},
+        batch=obs.batch)
+
+
 def _nonfinite_layers(w: Work, obs: Observation) -> tuple[str, ...]:
     names = w.channels[N_FIXED:w.layers_end]
     if not names:
@@ -206,10 +235,9 @@ def loss_diverged_event(obs: Observation, w: Work, dl: float, log_now: float, no
     base = math.exp(log_now - dl) - shift
     how = f"at {times(math.exp(dl))} its baseline" if shift == 0.0 else "far above its baseline"
     return Event(
-        step=int(obs.step), kind=Kind.LOSS_DIVERGED, level=Level.CRITICAL, signal="loss",
+        step=int(obs.step), kind=Kind.LOSS_DIVERGED, level=Level.WARNING, signal="loss",
         message=(f"Loss has stayed {how} ({fmt(base)} -> {fmt(now)}, "
                  f"{z:.0f} times its usual step-to-step deviation) for {w.loss_div} "
-                 "steps; the run has diverged: rewind to the last clean checkpoint and "
-                 "lower the learning rate."),
+                 "steps: the run is losing what it learned, or the data changed."),
         values={"value": now, "baseline": base, "ratio": math.exp(dl), "z": z, "steps": float(w.loss_div)},
         batch=obs.batch)

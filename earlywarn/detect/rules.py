@@ -154,6 +154,8 @@ class Thresholds:
     log_diverge: float
     diverge_z: float
     log_jump: float  # log jump_ratio (inf: off)
+    log_outlier: float  # log outlier_ratio (inf: off)
+    log_init: float  # log init_loss_ratio (inf: off)
     lr_jump: float
     lr_ref_steps: int
     lr_ready: int  # LR values seen before the LR rule may fire
@@ -172,6 +174,8 @@ class Thresholds:
             user_alone_h=float(c.user_alone_h), update_warns=bool(c.update_warns),
             log_diverge=math.log(c.loss_diverge_ratio), diverge_z=float(c.loss_diverge_z),
             log_jump=math.log(c.jump_ratio) if math.isfinite(c.jump_ratio) else math.inf,
+            log_outlier=math.log(c.outlier_ratio) if math.isfinite(c.outlier_ratio) else math.inf,
+            log_init=math.log(c.init_loss_ratio) if math.isfinite(c.init_loss_ratio) else math.inf,
             lr_jump=float(c.lr_jump_ratio), lr_ref_steps=int(c.lr_ref_steps),
             lr_ready=max(int(c.warmup_steps), int(c.lr_ref_steps)),
             mature_n=float(max(c.warmup_steps, math.ceil(1.0 / c.alpha), math.ceil(1.0 / c.scale_alpha))),

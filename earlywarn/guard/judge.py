@@ -17,7 +17,8 @@ from earlywarn.detect import Observation, StreamingDetector
 from earlywarn.events import Event
 from earlywarn.guard.episode import Episode
 from earlywarn.guard.statistics import SQ_OVERFLOW
-from earlywarn.policy import Action, Policy, PolicyDecision
+from earlywarn.events import Kind
+from earlywarn.policy import Action, Evidence, Policy, PolicyDecision
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Decision:
     """A non-finite step with the state verified finite and no incident in progress: the batch's fault."""
     skip: bool
     """The update is not applied (sync: decided here; async: what the device flag skipped)."""
+    clean_before: bool
+    """No warning-or-worse alert in the clean window before this step: a copy taken now, before
+    this step's update, is clean."""
 
     @property
     def restores(self) -> bool:
@@ -57,6 +61,13 @@ class Decision:
     def checkpoint(self) -> bool:
         """A warning copy now, before this step's update (the run is still clean)."""
         return Action.CHECKPOINT in self.policy and Action.REWIND not in self.policy
+
+    @property
+    def outlier(self) -> Event | None:
+        """The GRAD_OUTLIER alert of a step skipped for it."""
+        if not self.skip or self.nonfinite or self.overflow:
+            return None
+        return next((a for a in self.alerts if a.kind is Kind.GRAD_OUTLIER), None)
 
 
 class Judge:
@@ -89,11 +100,11 @@ class Judge:
         if state_finite and episode.in_incident(step):
             state_finite = None  # an incident is in progress: finite is not proof of one bad batch
         repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
-        policy = self.policy.decide(obs.step, alerts, state_finite=state_finite, skipped=overflow,
-                                    repairable=repairable)
+        policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios()), state_finite=state_finite,
+                                    skipped=overflow, repairable=repairable)
         # async: a policy SKIP cannot be honoured, the update was queued before it was judged
         wanted = Action.SKIP in policy and not self._late or loss_bad and not self._late
         skip = nonfinite or overflow or wanted or Action.REPAIR in policy
         return Decision(obs=obs, alerts=alerts, policy=policy, nonfinite=nonfinite, overflow=overflow,
                         loss_bad=loss_bad, scan=scan, bad_batch=bool(state_finite) and Action.REPAIR not in policy,
-                        skip=skip)
+                        skip=skip, clean_before=episode.clean(step - 1))

@@ -51,7 +51,11 @@ class Responses:
                            f"rewinds so far: {self.recovery.describe_rewinds()}. {why}. "
                            "The instability keeps coming back: lower the learning rate or inspect the quarantined "
                            f"batches in {self.recovery.quarantine_path}, then resume from the last clean checkpoint.")
-        if decision.checkpoint:
+        if decision.policy.lr_copy:
+            # an LR jump: the state before its update is what a rewind goes back to if the run
+            # does not take it (the policy watches the next steps); clean when nothing came before
+            self.recovery.checkpoint(tag.step, reason="lr_jump", clean=decision.clean_before)
+        elif decision.checkpoint:
             self.recovery.checkpoint(tag.step, reason="warning")  # its CHECKPOINT event comes from recovery
 
     # -- a skipped step -------------------------------------------------------------------------------
@@ -60,6 +64,12 @@ class Responses:
         buffers its forward poisoned (BatchNorm statistics) are copied back."""
         self.telemetry.count("skipped_steps")
         self._skip_event(decision, tag)
+        outlier = decision.outlier
+        if outlier is not None:
+            self.recovery.quarantine_batch(
+                tag.step, f"outlier gradient ({outlier.values.get('ratio', math.nan):.3g}x its typical norm)",
+                note=" (the step was skipped before anything was written)")
+            return
         if not decision.bad_batch:
             return
         scan = decision.scan
@@ -79,6 +89,11 @@ class Responses:
             if tag.counts is not None:
                 what += f", {int(np.nansum(obs.layer_nonfinite))} element(s)"
             what += ")"
+        elif decision.outlier is not None:
+            out = decision.outlier
+            where = f" in {out.layers[0]!r} (first to move)" if out.layers else ""
+            what = (f"outlier gradient{where}: norm {obs.grad_norm:.3g}, {out.values.get('ratio', math.nan):.3g}x "
+                    "its typical norm")
         elif decision.overflow:
             huge = self.statistics.in_backward_order(np.flatnonzero(obs.layer_norms ** 2 > SQ_OVERFLOW))
             what = (f"huge finite gradient in {self.telemetry.layer_names[huge[0]]!r} (norm {obs.grad_norm:.3g}: its "
@@ -128,6 +143,8 @@ class Responses:
             first = min(first, tag.step - decision.policy.nonfinite_streak + 1)
         if episode.onset is not None:
             first = min(first, episode.onset)
+        if decision.policy.onset_back:  # the policy traced the incident back (an abnormal update, an LR jump)
+            first = min(first, tag.step - decision.policy.onset_back + 1)
         first = max(0, first)
         scan = decision.scan  # taken on a non-finite step; a finite divergence needs none here
         # a finite loss and finite gradients came from finite weights: no scan to take
@@ -138,6 +155,14 @@ class Responses:
         except Halt as exc:
             self.halt(tag, str(exc), cause=exc)
         self.telemetry.count("rewinds")
+        ceiling = decision.policy.lr_ceiling
+        if ceiling is not None:
+            self.recovery.hold_lr(ceiling)
+            self.telemetry.emit(Event(
+                step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="lr_ceiling",
+                message=(f"the run became unstable right after its learning rate jumped: earlywarn steps at no more "
+                         f"than {ceiling:.3g} (the highest it had survived) while the loop's learning rate stays "
+                         "above it"), values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
         return report
 
     def _blame(self, decision: Decision, tag: StepTag, first: int) -> Any:

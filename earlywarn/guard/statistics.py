@@ -115,6 +115,8 @@ class StepStatistics:
         self._reported: dict[str, _Mean] = {}  # "loss" and user signals reported since the last step
         self._nan: dict[tuple, torch.Tensor] = {}  # the vector's "not reported" entry, per (device, dtype)
         self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
+        # the LR the step really takes (earlywarn may hold it below the loop's): what the detector judges
+        self.effective_lr: Callable[[float | None], float | None] = lambda lr: lr
         # Record the real backward order once (first backward), to name the first bad layer.
         self.backward_rank: np.ndarray | None = None
         self._grad_seq: list[int] = []
@@ -171,7 +173,7 @@ class StepStatistics:
             vec = self.reducer.reduce(vec)
         # the LR this step is taken with (a host number: no device work), kept until the step's
         # vector is read (a step later in async mode, when the scheduler has moved on)
-        self._step_lr[step] = learning_rate(self.optimizer)
+        self._step_lr[step] = self.effective_lr(learning_rate(self.optimizer))
         tag = StepTag(step, step, None, loss is not None)
         tag.users, tag.inv_scale, tag.clip = tuple(users), inv_scale, clip
         return vec, tag

@@ -80,6 +80,7 @@ class Watcher:
             keep_on_rewind=("earlywarn_policy", "earlywarn_watcher"),
             # Our own bookkeeping follows the judgement of a step (late in async mode), not its update.
             late_state=("earlywarn_detector", "earlywarn_policy", "earlywarn_watcher"))
+        self.statistics.effective_lr = self.recovery.effective_lr
         self.judge = Judge(self.detector, self.policy, self.recovery.scan, scaler=self.scaler is not None,
                            late=self.mode == "async")
         self.responses = Responses(self.recovery, self.telemetry, self.statistics, scaler=self.scaler is not None,

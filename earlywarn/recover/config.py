@@ -91,12 +91,13 @@ class RecoveryConfig:
     ``None``: only with a restorable loader (it, not the RNG, picks the batches). Without one the
     RNGs may be what draws the batches (nanoGPT: ``torch.randint``): restoring them would draw
     the same batches again, so they go on from where they are. The rewind event says which."""
-    on_recurrence: str = "halt"
+    on_recurrence: str = "lower_lr"
     """What to do when an incident comes back before the rewind for it held -- on new batches,
-    so not a bad batch (likely the learning rate or another hyperparameter): ``"halt"`` with that
-    diagnosis, or ``"lower_lr"``: rewind again (never further back than the episode's first
-    rewind) and multiply the learning rate by ``recurrence_lr_factor`` for
-    ``recurrence_lr_steps`` steps, at most ``max_rewinds_per_episode`` rewinds per episode."""
+    so not a bad batch (likely the learning rate or another hyperparameter): ``"lower_lr"``
+    rewinds again (never further back than the episode's first rewind) and multiplies the
+    learning rate by ``recurrence_lr_factor`` for ``recurrence_lr_steps`` steps; the run halts
+    with the diagnosis once ``max_rewinds_per_episode`` rewinds did not hold (a run that cannot
+    go on). ``"halt"``: halt with the diagnosis at the first recurrence."""
     recurrence_lr_factor: float = 0.5
     """``on_recurrence="lower_lr"``: the factor (0 < f < 1); it compounds on every recurrence."""
     recurrence_lr_steps: int = 200

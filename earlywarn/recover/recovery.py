@@ -32,6 +32,7 @@ history and blame (:mod:`.history`), the quarantine (:mod:`.quarantine`), the cl
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -49,6 +50,7 @@ from .errors import CheckpointError, DataPositionError
 from .history import BatchHistory
 from .quarantine import Quarantine, quarantine_path
 from .records import Blame, QuarantineRecord, RewindReport, _blame_dict, _name_batch
+from .lrceiling import LrCeiling
 from .recurrence import Recurrence
 from .repair import FiniteBaseline, RepairReport, StateScan, repair_optimizer_state, scan_state
 from .snapshot import SnapshotRing
@@ -112,6 +114,7 @@ class Recovery:
         self.quarantine_log = Quarantine(quarantine_path(cfg, checkpoint_dir(cfg, self._rank), self._rank))
         self.recurrence = Recurrence(optimizer, factor=cfg.recurrence_lr_factor, lr_steps=cfg.recurrence_lr_steps,
                                      history=cfg.history, window=self.window, run_step=run_step)
+        self.lr_ceiling = LrCeiling(optimizer)
         self.rewinds = 0
         self.repairs = 0
 
@@ -185,6 +188,11 @@ class Recovery:
         if seen is None or step > seen:
             self.record_step(step, maybe_clean=clean, building=building)
         clean = clean and self.window.clean(step)
+        if self.lr_ceiling.after_step():
+            self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_ceiling",
+                            message="the loop's learning rate is back near the highest the run had survived: "
+                                    "earlywarn no longer holds it down",
+                            values={"lr_ceiling": math.nan}))
         if self.recurrence.after_step(step, clean=clean):
             self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_factor",
                             message=f"the lowered learning rate ended after {self.config.recurrence_lr_steps} "
@@ -207,9 +215,11 @@ class Recovery:
         else:
             self.window.incident(seen)
 
-    def checkpoint(self, step: int, reason: str) -> str | None:
+    def checkpoint(self, step: int, reason: str, *, clean: bool = False) -> str | None:
         """Save now, e.g. on a warning while parameters are still finite. Kept as *unclean*
-        (an alert came): used as a rewind target only when no clean one exists.
+        (an alert came): used as a rewind target only when no clean one exists -- unless the
+        caller knows the state is clean (``clean``: a copy taken before the update of an LR jump,
+        with no incident before it).
 
         Call it either before step ``step``'s update (the watcher does: the batch drawn for it
         is then recorded as not yet trained, and the snapshot is labelled ``step - 1``) or after
@@ -217,7 +227,7 @@ class Recovery:
         when that is later: the label is always the step of the state it holds). Returns the disk
         path, or ``"memory:<step>"`` without a checkpoint directory (that step on the run's
         clock), or ``None`` when snapshots and checkpoints are off."""
-        return self.snapshots.checkpoint(step, reason)
+        return self.snapshots.checkpoint(step, reason, clean=clean)
 
     # -- blame and quarantine ------------------------------------------------------------------
     def batch_at(self, step: int) -> BatchRef | None:
@@ -336,9 +346,20 @@ class Recovery:
         return self.recurrence.describe_rewinds()
 
     def wrap_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``step_fn`` with the learning rate a recurrence lowered applied around it (see
-        :meth:`~earlywarn.recover.recurrence.Recurrence.wrap_step`)."""
-        return self.recurrence.wrap_step(step_fn)
+        """``step_fn`` with the learning rate a recurrence lowered, and the ceiling an LR-caused
+        instability set, applied around it (see :class:`~earlywarn.recover.recurrence.Recurrence`
+        and :class:`~earlywarn.recover.lrceiling.LrCeiling`)."""
+        return self.lr_ceiling.wrap_step(self.recurrence.wrap_step(step_fn))
+
+    def hold_lr(self, ceiling: float) -> None:
+        """Step at no more than ``ceiling`` while the loop's learning rate stays above it."""
+        self.lr_ceiling.hold(ceiling)
+
+    def effective_lr(self, lr: float | None) -> float | None:
+        """The learning rate the optimizer really steps with when the loop's is ``lr``."""
+        if lr is None:
+            return None
+        return lr * self.lr_ceiling.factor(lr) * self.recurrence.lr_factor
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -346,6 +367,7 @@ class Recovery:
             "rewinds": self.rewinds,
             "repairs": self.repairs,
             **self.recurrence.state_dict(),
+            **self.lr_ceiling.state_dict(),
             "quarantine": [q.to_dict() for q in self.quarantine],
         }
 
@@ -353,6 +375,7 @@ class Recovery:
         self.rewinds = int(d.get("rewinds", 0))
         self.repairs = int(d.get("repairs", 0))
         self.recurrence.load_state_dict(d)
+        self.lr_ceiling.load_state_dict(d)
         self.quarantine_log.records = [QuarantineRecord.from_dict(q) for q in d.get("quarantine", [])]
 
     def resume(self, path: str | os.PathLike[str] | None = None, *, restore_data: bool = True) -> int:

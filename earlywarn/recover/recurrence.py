@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .lrceiling import scaled_step
+
 from .window import CleanWindow
 
 
@@ -216,28 +218,8 @@ class Recurrence:
             cut = self._cut
             if cut is None:
                 return step_fn(*args, **kwargs)
-            return self._step_at(float(cut[0]), step_fn, args, kwargs)
+            return scaled_step(self.optimizer, float(cut[0]), step_fn, args, kwargs)
         return step
-
-    def _step_at(self, factor: float, step_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        groups = self.optimizer.param_groups
-        saved = []
-        for g in groups:
-            lr = g["lr"]
-            if isinstance(lr, torch.Tensor):  # a tensor lr is held by compiled / capturable steps: in place
-                saved.append(lr.clone())
-                lr.mul_(factor)
-            else:
-                saved.append(lr)
-                g["lr"] = lr * factor
-        try:
-            return step_fn(*args, **kwargs)
-        finally:
-            for g, lr in zip(groups, saved):
-                if isinstance(lr, torch.Tensor):
-                    g["lr"].copy_(lr)
-                else:
-                    g["lr"] = lr
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -258,8 +258,8 @@ class SnapshotKeeper:
         return self.data.state_dict(pending) if self.data.restorable else None
 
     # -- copies on demand ----------------------------------------------------------------------
-    def checkpoint(self, step: int, reason: str) -> str | None:
-        """A copy now, kept as unclean (see :meth:`Recovery.checkpoint`)."""
+    def checkpoint(self, step: int, reason: str, *, clean: bool = False) -> str | None:
+        """A copy now, kept as unclean unless ``clean`` (see :meth:`Recovery.checkpoint`)."""
         if self.ring is None and self.checkpoints is None:
             return None
         seen = self.history.last_step
@@ -268,16 +268,16 @@ class SnapshotKeeper:
         label = step - 1 if seen is None else max(seen, step - 1)
         data = self._data_state(self.history.pending())
         if self.ring is not None:
-            snap = self.ring.capture(label, clean=False, reason=reason, **self.live.parts(data),
+            snap = self.ring.capture(label, clean=clean, reason=reason, **self.live.parts(data),
                                      extra=self.live.extra_state)
         else:
-            snap = Snapshot(step=label, clean=False, reason=reason, host=self.live.capture(label, data))
+            snap = Snapshot(step=label, clean=clean, reason=reason, host=self.live.capture(label, data))
         if self.checkpoints is not None:
-            return self._save_disk(snap, label, clean=False, reason=reason)
+            return self._save_disk(snap, label, clean=clean, reason=reason)
         name = self.memory_name(label)
         self.emit(Event(step=step, kind=Kind.CHECKPOINT, level=Level.INFO,
                         message=f"in-memory snapshot ({reason}) of the state after step {self.run_step(label)}",
-                        signal=reason, values={"clean": 0.0}, path=name))
+                        signal=reason, values={"clean": float(clean)}, path=name))
         return name
 
     def memory_name(self, step: int) -> str:
