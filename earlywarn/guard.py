@@ -40,6 +40,7 @@ from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics, sanitize_k
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
 from earlywarn.recover._state import fence_copies
+from earlywarn.recover.statecheck import StateCheck  # issue 22: the optimizer state checked every step
 from earlywarn.sinks import Sink
 from earlywarn.sinks.base import takes_metrics
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
@@ -210,6 +211,7 @@ class Watcher:
         self._stats = GradStats(self.layer_map, exact=late)
         # the loop's clip_grad_norm_ (between backward and this step): its factor, to read the raw norms
         self._clipping = observe_clipping(self.layer_map.params)
+        self._state_check = StateCheck(optimizer)  # issue 22: the state's finiteness, the vector's last entry
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants (sync, fused)
         self._gen = 0  # async: bumped by a rewind; steps of an older generation were undone in flight
 
@@ -541,6 +543,7 @@ class Watcher:
                     given.append((key, len(layer_sq) + 2 + j))
             self._user_acc = {}
             users = tuple(given)
+        parts.append(self._state_check.flag(dev, dt))  # issue 22: the optimizer state's finiteness, last
         vec = torch.cat(parts)
         if self._reducer is not None:
             vec = self._reducer.reduce(vec)
@@ -773,6 +776,8 @@ class Watcher:
                            batch=_batch_index(tag.batch), extras=extras)
 
     def _decide(self, host: np.ndarray, tag: _Tag) -> "_Decision":
+        if self._state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step):  # issue 22
+            self.counters["repaired_steps"] += 1
         obs = self._observation(host, tag)
         alerts = self.detector.observe(obs)
         # the global norm is finite iff every layer's is (and a recount's non-finite elements show in it)

@@ -25,6 +25,11 @@ parameters and buffers                                      given, else left as 
                                                             reported unrepaired
 ==========================================================  =================================
 
+State nested to any depth (heavyball: ``state[p][0]["update_by_adam_exp_avg_sq_0"]``, lists of
+preconditioner factors) is scanned and repaired tensor by tensor; a tensor's rule comes from its
+innermost key, by name or by the moment it names (``..._exp_avg_sq_...``: a second moment,
+``..._exp_avg_...`` / ``...momentum...``: a first one); anything else is copied from the snapshot.
+
 With a snapshot (the last clean in-memory copy), parameter and buffer coordinates are copied back
 from it, and with ``reset_state=False`` the optimizer state coordinates too. Repairing
 parameters coordinate-wise is only done while the poisoned share of all parameter elements stays
@@ -67,9 +72,28 @@ import torch
 from earlywarn.capture.gradstats import _copy_weight
 
 from ._state import is_dtensor, local
+from ._tree import at, leaf_name, leaves, path_name
 
 ZERO_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg", "prev"})
 SECOND_MOMENT_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
+# other libraries name the same moments inside longer keys (heavyball: "update_by_adam_exp_avg_sq_0")
+_SECOND_WORDS = ("exp_avg_sq", "square_avg", "exp_inf", "acc_delta")
+_ZERO_WORDS = ("exp_avg", "momentum")
+
+
+def reset_rule(path: tuple) -> str | None:
+    """``"zero"`` (a first moment), ``"second"`` (a second moment) or None (no rule: the snapshot's
+    value) for the state tensor at ``path`` (its innermost key names it; nested state included)."""
+    name = leaf_name(path)
+    if name in SECOND_MOMENT_KEYS:
+        return "second"
+    if name in ZERO_KEYS:
+        return "zero"
+    if any(w in name for w in _SECOND_WORDS):
+        return "second"
+    if any(w in name for w in _ZERO_WORDS):
+        return "zero"
+    return None
 
 
 @dataclass(frozen=True)
@@ -319,9 +343,9 @@ def scan_state(
             entries.append((name, None, p, p))
             param_numel += p.numel()
         if optimizer is not None:
-            for k, v in optimizer.state.get(p, {}).items():
+            for path, v in leaves(optimizer.state.get(p, {})):  # nested state too (heavyball)
                 if _checkable(v):
-                    entries.append((name, str(k), p, v))
+                    entries.append((name, path_name(path), p, v))
     if model is not None:
         for n, b in model.named_buffers(remove_duplicate=True):
             if _checkable(b):
@@ -503,6 +527,10 @@ def _snapshot_trees(snapshot: Any) -> tuple[Mapping[str, Any] | None, Mapping[st
     return state.get("model"), state.get("optimizer")
 
 
+def _snap_tensor(t: Any) -> torch.Tensor | None:
+    return local(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it
+
+
 def repair_optimizer_state(
     optimizer: torch.optim.Optimizer,
     scan: StateScan,
@@ -531,25 +559,34 @@ def repair_optimizer_state(
         baseline: the :class:`FiniteBaseline` the scan used (the verifying scan uses it too).
     """
     snap_model, snap_opt = _snapshot_trees(snapshot)
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    agree = _Agree()
+    # 1. plan on the local shards; every number a decision depends on goes into `counts`, agreed
+    # by one SUM over ranks (parameters in model order: every rank builds the same list)
+    plans, counts, device = _plan(optimizer, scan, snap_model, snap_opt, reset_state)
+    agreed = agree.sum(counts, device) if device is not None else []
+    # 2. the values a second moment is reset to: the largest finite one (one MAX over ranks)
+    values = _reset_values(optimizer, plans, agreed, agree, device)
+    # 3. write, each rank into its own shards
+    poisoned = sum(f.nonfinite for f in scan.params)
+    too_many = None if poisoned <= max_param_fraction * max(1, scan._param_numel) else (
+        f"{poisoned} poisoned parameter elements exceed max_param_fraction={max_param_fraction}")
     repaired: list[RepairAction] = []
     unrepaired: list[RepairAction] = []
-    poisoned_param_elems = sum(f.nonfinite for f in scan.params)
-    patch_params = poisoned_param_elems <= max_param_fraction * max(1, scan._param_numel)
-    agree = _Agree()
+    with torch.no_grad():
+        for plan in plans:
+            _write_param(plan, agreed, too_many, repaired, unrepaired)
+            _write_state(plan, values, repaired, unrepaired)
+        _write_buffers(scan, snap_model, repaired, unrepaired)
+    # verify: a second scan (rare path) so that `ok` is measured, not assumed
+    after = scan_state(model, optimizer, baseline) if not scan.clean else scan
+    return RepairReport(scan, repaired, unrepaired, after, step)
 
-    def from_snapshot(tree: Mapping[str, Any] | None, name_or_idx: Any, key: str | None) -> torch.Tensor | None:
-        if tree is None:
-            return None
-        if key is None or key == "buffer":
-            t = tree.get(name_or_idx)
-        else:
-            t = tree.get("state", {}).get(name_or_idx, {}).get(key)
-        return local(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it
 
-    # 1. plan on the local shards; nothing is written yet ---------------------------------------
-    # Every number a decision depends on goes into `counts` (agreed by one SUM over ranks); the
-    # parameters are visited in model order, so every rank builds the same list.
+def _plan(optimizer: torch.optim.Optimizer, scan: StateScan, snap_model: Any, snap_opt: Any,
+          reset_state: bool) -> tuple[list[dict[str, Any]], list[torch.Tensor | int], torch.device | None]:
+    """Per poisoned parameter: its mask (the union over it and its same-shaped state), where each
+    tensor would be repaired from, and the device counts the decisions need."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     counts: list[torch.Tensor | int] = []
     plans: list[dict[str, Any]] = []
     device: torch.device | None = None
@@ -559,44 +596,51 @@ def repair_optimizer_state(
                 continue
             p, _ = scan._refs[(name, None)]
             pl = local(p)
-            if device is None:
-                device = pl.device
-            st = optimizer.state.get(p, {})
+            device = device if device is not None else pl.device
+            state = [(path, v) for path, v in leaves(optimizer.state.get(p, {})) if _checkable(v)]
             mask = ~torch.isfinite(pl)
-            for k, v in st.items():
-                if _checkable(v) and _same_shape(v, p):
+            for _, v in state:
+                if _same_shape(v, p):
                     mask |= ~torch.isfinite(local(v))
             pflag = next((f for f in scan.params if f.name == name), None)
-            psrc = from_snapshot(snap_model, name, None)
+            psrc = _snap_tensor(snap_model.get(name)) if snap_model is not None else None
             psrc = psrc if psrc is not None and psrc.shape == pl.shape else None
-            plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc,
-                                    "at": len(counts), "keys": []}
+            plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc, "at": len(counts), "keys": []}
             counts.append(int(pflag is not None and psrc is None))  # no snapshot of the parameter
-            i = index.get(id(p))
-            for k, v in st.items():
-                if not _checkable(v):
-                    continue
-                k = str(k)
-                vl = local(v)
-                kmask = mask if _same_shape(v, p) else ~torch.isfinite(vl)
-                src = from_snapshot(snap_opt, i, k)
-                want_snap = src is not None and (not reset_state or k not in ZERO_KEYS | SECOND_MOMENT_KEYS)
-                if want_snap and src.shape == vl.shape:
-                    src = src.to(vl.device, vl.dtype)
-                    snap_bad: torch.Tensor | int = (~torch.isfinite(src) & kmask).sum()
-                else:
-                    src, snap_bad = None, int(want_snap)  # wanted but unusable: not from the snapshot
-                plan["keys"].append({"key": k, "v": v, "vl": vl, "kmask": kmask, "src": src,
-                                     "want_snap": want_snap, "at": len(counts),
-                                     "max": _finite_abs_max(vl, ~kmask) if k in SECOND_MOMENT_KEYS else None})
-                # poisoned coordinates, finite values left outside them, snapshot unusable there
-                counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if k in SECOND_MOMENT_KEYS else 0, snap_bad]
+            saved = snap_opt.get("state", {}).get(index.get(id(p)), {}) if snap_opt is not None else None
+            for path, v in state:
+                plan["keys"].append(_plan_tensor(path, v, mask if _same_shape(v, p) else None, saved,
+                                                 reset_state, counts))
             plans.append(plan)
-    agreed = agree.sum(counts, device) if device is not None else []
+    return plans, counts, device
 
-    # 2. the values a second moment is reset to: the largest finite one (one MAX over ranks) -----
+
+def _plan_tensor(path: tuple, v: torch.Tensor, mask: torch.Tensor | None, saved: Any, reset_state: bool,
+                 counts: list[torch.Tensor | int]) -> dict[str, Any]:
+    rule = reset_rule(path)
+    vl = local(v)
+    kmask = mask if mask is not None else ~torch.isfinite(vl)
+    src = _snap_tensor(at(saved, path)) if saved is not None else None
+    want_snap = src is not None and (not reset_state or rule is None)
+    if want_snap and src.shape == vl.shape:
+        src = src.to(vl.device, vl.dtype)
+        snap_bad: torch.Tensor | int = (~torch.isfinite(src) & kmask).sum()
+    else:
+        src, snap_bad = None, int(want_snap)  # wanted but unusable: not from the snapshot
+    entry = {"key": path_name(path), "path": path, "rule": rule, "v": v, "vl": vl, "kmask": kmask, "src": src,
+             "want_snap": want_snap, "at": len(counts),
+             "max": _finite_abs_max(vl, ~kmask) if rule == "second" else None}
+    # poisoned coordinates, finite values left outside them, snapshot unusable there
+    counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if rule == "second" else 0, snap_bad]
+    return entry
+
+
+def _reset_values(optimizer: torch.optim.Optimizer, plans: list[dict[str, Any]], agreed: list[int],
+                  agree: "_Agree", device: torch.device | None) -> dict[str, float]:
+    """The value each poisoned second moment is reset to (keyed by its entry's ``max_at`` or its
+    key), agreed over ranks in one MAX; decides ``count`` and ``use_snap`` per entry as well."""
     maxima: list[torch.Tensor] = []
-    fallback_keys: list[str] = []
+    fallback: dict[str, tuple] = {}  # key -> path: non-finite everywhere, the key's largest over all parameters
     for plan in plans:
         for e in plan["keys"]:
             a = e["at"]
@@ -606,67 +650,73 @@ def repair_optimizer_state(
                 if agreed[a + 1]:
                     e["max_at"] = len(maxima)
                     maxima.append(e["max"])
-                elif e["key"] not in fallback_keys:
-                    fallback_keys.append(e["key"])  # non-finite everywhere: the key's largest over all parameters
+                else:
+                    fallback.setdefault(e["key"], e["path"])
     with torch.no_grad():
-        for key in fallback_keys:
+        for path in fallback.values():
             wide = torch.float32 if device.type == "mps" else torch.float64
-            best = [_finite_abs_max(local(st[key])).to(device, wide)
-                    for st in optimizer.state.values() if _checkable(st.get(key))]
+            best = [_finite_abs_max(local(at(st, path))).to(device, wide)
+                    for st in optimizer.state.values() if _checkable(at(st, path))]
             maxima.append(torch.stack(best).amax() if best else torch.full((), -math.inf, dtype=wide, device=device))
-    agreed_max = agree.max(maxima, device) if device is not None else []
-    fallback = {k: agreed_max[len(maxima) - len(fallback_keys) + j] for j, k in enumerate(fallback_keys)}
+    got = agree.max(maxima, device) if device is not None else []
+    values = {f"#{j}": v for j, v in enumerate(got[: len(got) - len(fallback)])}
+    values.update({k: got[len(got) - len(fallback) + j] for j, k in enumerate(fallback)})
+    return values
 
-    # 3. write, each rank into its own shards --------------------------------------------------
-    with torch.no_grad():
-        for plan in plans:
-            name, pl, pflag = plan["name"], plan["p"], plan["pflag"]
-            if pflag is not None:
-                if agreed[plan["at"]]:
-                    unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason="no clean snapshot to copy the parameter from"))
-                elif not patch_params:
-                    unrepaired.append(RepairAction(
-                        name, None, pflag.nonfinite, "none",
-                        reason=f"{poisoned_param_elems} poisoned parameter elements exceed max_param_fraction={max_param_fraction}"))
-                else:
-                    src = plan["psrc"].to(pl.device, pl.dtype)
-                    pl.copy_(torch.where(~torch.isfinite(pl), src, pl))
-                    repaired.append(RepairAction(name, None, pflag.nonfinite, "snapshot"))
-            for e in plan["keys"]:
-                k, vl, kmask, count = e["key"], e["vl"], e["kmask"], e["count"]
-                if count == 0:
-                    continue
-                if e["use_snap"]:
-                    vl.copy_(torch.where(kmask, e["src"], vl))
-                    repaired.append(RepairAction(name, k, count, "snapshot"))
-                elif k in ZERO_KEYS:
-                    vl.masked_fill_(kmask, 0)
-                    repaired.append(RepairAction(name, k, count, "zero"))
-                elif k in SECOND_MOMENT_KEYS:
-                    value = agreed_max[e["max_at"]] if "max_at" in e else fallback[k]
-                    if not math.isfinite(value):  # no finite value of this key anywhere
-                        vl.masked_fill_(kmask, 0)
-                        repaired.append(RepairAction(name, k, count, "zero (no finite value)", 0.0))
-                    else:
-                        vl.masked_fill_(kmask, value)
-                        repaired.append(RepairAction(name, k, count, "finite_max", value))
-                else:
-                    unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
-        # buffers (replicated, not sharded: copied back from the snapshot as they are) -------------
-        for f in scan.buffers:
-            _, b = scan._refs[(f.name, "buffer")]
-            b = local(b)
-            src = from_snapshot(snap_model, f.name, "buffer")
-            if src is None or src.shape != b.shape:
-                unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
-                continue
-            bmask = ~torch.isfinite(b)
-            own = scan._legit.get((f.name, "buffer"))
-            if own is not None:
-                bmask &= ~own  # the buffer's own -inf (a causal mask) stays as it is
-            b.copy_(torch.where(bmask, src.to(b.device, b.dtype), b))
-            repaired.append(RepairAction(f.name, "buffer", f.nonfinite, "snapshot"))
 
-    # verify: a second scan (rare path) so that `ok` is measured, not assumed
-    after = scan_state(model, optimizer, baseline) if not scan.clean else scan
-    return RepairReport(scan, repaired, unrepaired, after, step)
+def _write_param(plan: dict[str, Any], agreed: list[int], too_many: str | None,
+                 repaired: list[RepairAction], unrepaired: list[RepairAction]) -> None:
+    name, pl, pflag = plan["name"], plan["p"], plan["pflag"]
+    if pflag is None:
+        return
+    if agreed[plan["at"]]:
+        unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason="no clean snapshot to copy the parameter from"))
+    elif too_many is not None:
+        unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason=too_many))
+    else:
+        src = plan["psrc"].to(pl.device, pl.dtype)
+        pl.copy_(torch.where(~torch.isfinite(pl), src, pl))
+        repaired.append(RepairAction(name, None, pflag.nonfinite, "snapshot"))
+
+
+def _write_state(plan: dict[str, Any], values: dict[str, float], repaired: list[RepairAction],
+                 unrepaired: list[RepairAction]) -> None:
+    name = plan["name"]
+    for e in plan["keys"]:
+        k, vl, kmask, count = e["key"], e["vl"], e["kmask"], e["count"]
+        if count == 0:
+            continue
+        if e["use_snap"]:
+            vl.copy_(torch.where(kmask, e["src"], vl))
+            repaired.append(RepairAction(name, k, count, "snapshot"))
+        elif e["rule"] == "zero":
+            vl.masked_fill_(kmask, 0)
+            repaired.append(RepairAction(name, k, count, "zero"))
+        elif e["rule"] == "second":
+            value = values[f"#{e['max_at']}"] if "max_at" in e else values[k]
+            if not math.isfinite(value):  # no finite value of this key anywhere
+                vl.masked_fill_(kmask, 0)
+                repaired.append(RepairAction(name, k, count, "zero (no finite value)", 0.0))
+            else:
+                vl.masked_fill_(kmask, value)
+                repaired.append(RepairAction(name, k, count, "finite_max", value))
+        else:
+            unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
+
+
+def _write_buffers(scan: StateScan, snap_model: Any, repaired: list[RepairAction],
+                   unrepaired: list[RepairAction]) -> None:
+    """Buffers (replicated, not sharded) are copied back from the snapshot as they are."""
+    for f in scan.buffers:
+        _, b = scan._refs[(f.name, "buffer")]
+        b = local(b)
+        src = _snap_tensor(snap_model.get(f.name)) if snap_model is not None else None
+        if src is None or src.shape != b.shape:
+            unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
+            continue
+        bmask = ~torch.isfinite(b)
+        own = scan._legit.get((f.name, "buffer"))
+        if own is not None:
+            bmask &= ~own  # the buffer's own -inf (a causal mask) stays as it is
+        b.copy_(torch.where(bmask, src.to(b.device, b.dtype), b))
+        repaired.append(RepairAction(f.name, "buffer", f.nonfinite, "snapshot"))
