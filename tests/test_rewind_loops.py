@@ -185,10 +185,10 @@ def test_a_loop_lr_ramp_ends_in_a_halt_naming_the_recurrence_and_the_lr(tmp_path
     assert halt is not None and halt.reason == "recurrence"
     msg = str(halt)
     assert msg.startswith("recurrence: loss_diverged") and "not a bad batch" in msg
-    assert "learning rate (param group 0):" in msg and "rising" in msg
+    assert "learning rate (largest over param groups):" in msg and "rising" in msg
     # the trend: the rate at the restored step, at the first incident (read before the restore
     # put the snapshot's back), now -- rising along the ramp
-    m = re.search(r"learning rate \(param group 0\): ([\d.e+-]+) at step \d+ \(restored\) -> ([\d.e+-]+) at step "
+    m = re.search(r"learning rate \(largest over param groups\): ([\d.e+-]+) at step \d+ \(restored\) -> ([\d.e+-]+) at step "
                   r"\d+ \(first incident\) -> ([\d.e+-]+) at step", msg)
     assert m and float(m.group(1)) < float(m.group(2)), msg
     if not resync:  # the loop kept its own iter_num: said so

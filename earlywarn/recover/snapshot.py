@@ -7,7 +7,8 @@ A snapshot's ``state`` is a plain dict (the same layout a disk checkpoint stores
      "extra": {name: obj.state_dict()}}
 
 Every tensor is a host copy (device tensors go to pinned memory, asynchronously; ``wait()``
-before reading). The optimizer's parameters and state are copied on a side stream while the
+before reading), except frozen parameters (``requires_grad=False``): those are the model's own
+tensors, referenced while they stay frozen (``frozen.py``: a LoRA base costs no snapshot memory). The optimizer's parameters and state are copied on a side stream while the
 next step runs (see ``_state``: the guard fences the copy before the next optimizer write). When
 the ring is full, the evicted snapshot's buffers are reused for the new one, so periodic
 snapshots of a fixed-shape model do not allocate host memory again.
@@ -39,9 +40,9 @@ from ._state import (
     restore_optimizer,
     restore_rng,
     optimizer_tensors,
-    state_bytes,
     to_host,
 )
+from .frozen import frozen_refs, owned_bytes
 
 
 def capture_state(
@@ -61,9 +62,10 @@ def capture_state(
     flag, on the device, whether the optimizer's parameters and state are finite
     (``HostCopy.finite()``, read once the copy has landed: no host sync now). Under
     torch.distributed the flag is agreed over ranks in one all-reduce: call it on every rank."""
+    model_sd = model.state_dict()
     live = {
         "step": int(step),
-        "model": model.state_dict(),
+        "model": model_sd,
         "optimizer": optimizer.state_dict(),
         "scheduler": None if scheduler is None else call_state_dict(scheduler, "scheduler"),
         "scaler": None if scaler is None else call_state_dict(scaler, "scaler"),
@@ -72,7 +74,12 @@ def capture_state(
         "extra": {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in (extra or {}).items()},
     }
     agree = check_finite and distributed_rank() is not None
-    return to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree)
+    refs = frozen_refs(model, optimizer)
+    shared = refs.shared(model, model_sd)  # frozen weights: referenced, not copied (recover/frozen.py)
+    host = to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree,
+                   shared=shared)
+    refs.hold(host, shared)
+    return host
 
 
 def restore_state(
@@ -124,7 +131,8 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return state_bytes(self.host.tree)
+        """Host bytes of its own (the frozen weights it references are the model's)."""
+        return owned_bytes(self.host)
 
 
 class SnapshotRing:
