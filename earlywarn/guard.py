@@ -40,6 +40,7 @@ from earlywarn.metrics import MetricsConfig, StepLevels, StepMetrics, sanitize_k
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Halt, Recovery, RecoveryConfig
 from earlywarn.recover._state import fence_copies
+from earlywarn.recover.ema import averaged_copies_warning  # issue 22
 from earlywarn.recover.statecheck import StateCheck  # issue 22: the optimizer state checked every step
 from earlywarn.sinks import Sink
 from earlywarn.sinks.base import takes_metrics
@@ -265,6 +266,9 @@ class Watcher:
         self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
 
         self.sinks: list[Sink] = []  # built last: a config error must not leave a tracker run open
+        ema_note = averaged_copies_warning(model, extra_state, depth=3)  # issue 22: an EMA not in extra_state
+        if ema_note:
+            warnings.warn(ema_note, RuntimeWarning, stacklevel=3)
 
         extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy, "earlywarn_watcher": _Counters(self)}
         extra.update(extra_state or {})

@@ -12,7 +12,7 @@ import torch
 
 from ..events import Level
 from ._state import local, state_bytes
-from .frozen import frozen_bytes
+from .frozen import frozen_bytes, frozen_refs
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -127,6 +127,7 @@ def plan_snapshots(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
     """Fit ``cfg.snapshot_keep`` clean snapshots (+ one warning copy) into the host-RAM budget
     (``cfg.snapshot_memory``; default a quarter of the memory available, shared by this node's
     processes) and say so in one sentence."""
+    frozen_refs(model, optimizer)  # which frozen weights stay unwritten is counted from now (frozen.py)
     size = estimate_snapshot_bytes(model, optimizer)
     avail = available_memory()
     if cfg.snapshot_memory is None:

@@ -2,9 +2,12 @@
 
 A LoRA run trains a few million parameters beside a frozen base of billions; copying the base
 into every snapshot costs its size in host RAM per snapshot and its copy time at every snapshot
-step, for values that never change. So a parameter with ``requires_grad=False`` is not copied: a
-snapshot holds the model's own tensor, and restoring it is a no-op (``_state.restore_model``
-skips it). Host RAM and snapshot time then follow what trains.
+step, for values that never change. So a parameter with ``requires_grad=False`` that has not been
+written since ``watch()`` (its version counter has not moved) is not copied: a snapshot holds the
+model's own tensor, and restoring it is a no-op (``_state.restore_model`` skips it). Host RAM and
+snapshot time then follow what trains. ``requires_grad=False`` alone is no proof: an EMA copy
+registered inside the model is frozen and written every step, so it moves its version counter
+before the first snapshot and is copied like anything else.
 
 A frozen parameter may be unfrozen later (a late unfreeze in fine-tuning): a step pre-hook on the
 optimizer looks, before every update, for a referenced parameter that now requires grad (or whose
@@ -26,14 +29,16 @@ import torch
 from ._state import HostCopy, local, state_bytes
 from ._tree import leaves
 
+_MOVING = -1
 _REGISTRY: "weakref.WeakKeyDictionary[torch.nn.Module, FrozenRefs]" = weakref.WeakKeyDictionary()
 
 
 def frozen_refs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> "FrozenRefs":
-    """The one :class:`FrozenRefs` of ``model`` (created, with its optimizer hook, on first use)."""
+    """The one :class:`FrozenRefs` of ``model`` (created, with its optimizer hook, on first use:
+    at ``watch()``, by the snapshot plan, so that versions are known from the start)."""
     refs = _REGISTRY.get(model)
     if refs is None:
-        refs = _REGISTRY[model] = FrozenRefs(optimizer)
+        refs = _REGISTRY[model] = FrozenRefs(optimizer, model)
     return refs
 
 
@@ -56,15 +61,24 @@ def _storage(t: torch.Tensor) -> tuple:
 class FrozenRefs:
     """The frozen parameters snapshots reference, and the snapshots that do."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
         self._refs: dict[int, tuple[torch.nn.Parameter, int]] = {}  # id(param) -> (param, version)
         self._holders: "weakref.WeakSet[HostCopy]" = weakref.WeakSet()
+        # version when first seen frozen; _MOVING once written (never referenced again)
+        self._seen: dict[int, int] = {id(p): p._version for p in model.parameters() if not p.requires_grad}
         self._hook = optimizer.register_step_pre_hook(self._before_step)
 
+    def _static(self, p: torch.nn.Parameter) -> bool:
+        v0 = self._seen.setdefault(id(p), p._version)
+        if v0 != p._version:
+            self._seen[id(p)] = _MOVING
+        return v0 == p._version
+
     def shared(self, model: torch.nn.Module, sd: Mapping[str, Any]) -> set[int]:
-        """ids of the ``sd`` values (a ``model.state_dict()``) that are frozen parameters: what
-        :func:`~earlywarn.recover._state.to_host` keeps as it is."""
-        frozen = {_storage(p): p for p in model.parameters() if not p.requires_grad and local(p).numel() > 0}
+        """ids of the ``sd`` values (a ``model.state_dict()``) that are frozen parameters never
+        written since first seen: what :func:`~earlywarn.recover._state.to_host` keeps as it is."""
+        frozen = {_storage(p): p for p in model.parameters()
+                  if not p.requires_grad and local(p).numel() > 0 and self._static(p)}
         if not frozen:
             return set()
         ids = set()
@@ -87,6 +101,7 @@ class FrozenRefs:
             if p.requires_grad or p._version != version:
                 self._release(p, changed=p._version != version)
                 del self._refs[pid]
+                self._seen[pid] = _MOVING
 
     def _release(self, p: torch.nn.Parameter, *, changed: bool) -> None:
         """``p`` is about to be written: every snapshot referencing it gets a host copy now."""

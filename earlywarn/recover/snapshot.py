@@ -42,6 +42,7 @@ from ._state import (
     optimizer_tensors,
     to_host,
 )
+from ._tree import at, leaves, same_structure
 from .frozen import frozen_refs, owned_bytes
 
 
@@ -103,9 +104,42 @@ def restore_state(
     for name, obj in (extra or {}).items():
         saved = (state.get("extra") or {}).get(name)
         if saved is not None:
-            obj.load_state_dict(clone_tree(saved))
+            restore_object(obj, saved)
     if rng and state.get("rng") is not None:
         restore_rng(state["rng"])
+
+
+def restore_object(obj: Any, saved: Any) -> None:
+    """``obj.load_state_dict`` with ``saved`` (a host copy of its ``state_dict()``), its tensors
+    kept where they live: a module copies into its own; for anything else, when its live
+    ``state_dict()`` returns its tensors (the PyTorch convention) in the same structure, they are
+    copied into in place and handed back -- diffusers' ``EMAModel.load_state_dict`` *adopts* the
+    tensors it is given, which would move its shadow weights to the host."""
+    if isinstance(obj, torch.nn.Module):
+        obj.load_state_dict(saved)
+        return
+    live = obj.state_dict()
+    pairs = [(at(live, path), v) for path, v in leaves(saved)]
+    if not pairs or not same_structure(live, saved) or not all(
+            isinstance(t, torch.Tensor) and t.shape == v.shape and t.dtype == v.dtype for t, v in pairs):
+        obj.load_state_dict(clone_tree(saved))
+        return
+    with torch.no_grad():
+        for t, v in pairs:
+            t.copy_(v)
+    obj.load_state_dict(_plain_from(saved, live))
+
+
+def _plain_from(saved: Any, live: Any) -> Any:
+    """``saved``'s structure and plain values, with ``live``'s tensors."""
+    if isinstance(saved, torch.Tensor):
+        return live
+    if isinstance(saved, dict):
+        return type(saved)((k, _plain_from(v, live[k])) for k, v in saved.items())
+    if isinstance(saved, (list, tuple)):
+        items = [_plain_from(v, lv) for v, lv in zip(saved, live)]
+        return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
+    return copy.deepcopy(saved)
 
 
 @dataclass
