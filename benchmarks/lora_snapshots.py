@@ -49,7 +49,8 @@ def main() -> None:
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     notes: list[str] = []
-    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(snapshot_every=args.snapshot_every, snapshot_keep=3))
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(snapshot_every=args.snapshot_every, snapshot_keep=3,
+                                                                    rewind=args.snapshot_every > 0))
     ew.recovery.report_plan(0, write=notes.append)
     g = torch.Generator().manual_seed(0)
     start = rss()

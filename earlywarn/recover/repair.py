@@ -70,6 +70,7 @@ from typing import Any, Mapping
 import torch
 
 from earlywarn.capture.gradstats import _copy_weight
+from earlywarn.capture.grouping import _wrapper_prefix, user_name
 
 from ._state import is_dtensor, local
 from ._tree import at, leaf_name, leaves, path_name
@@ -117,7 +118,8 @@ class StateScan:
 
     flags: list[Flag]
     tensors_checked: int
-    _refs: dict[tuple[str, str | None], tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _refs: dict[tuple[str, str | None], tuple[Any, torch.Tensor, str]] = field(default_factory=dict, repr=False)
+    """(name, key) -> (parameter, tensor, the name in the model's state_dict, wrappers included)."""
     _param_numel: int = field(default=0, repr=False)
     owned: list[Flag] = field(default_factory=list)
     """Tensors holding non-finite values that belong to the model (not poison): a ``-inf`` mask
@@ -321,6 +323,10 @@ def scan_state(
     the module docstring).
     """
     names = _param_names(model, optimizer)
+    # reported as the user's model names them (a compiled model's `_orig_mod.`, Fabric's
+    # `_forward_module.` left out); the state_dict's own name is kept for snapshot lookups
+    prefix = _wrapper_prefix(model) if model is not None else ()
+    label = {raw: user_name(raw, prefix) or raw for raw in set(names.values())}
     written = _written_by(optimizer, model) if baseline is not None else None
     entries: list[tuple[str, str | None, Any, torch.Tensor]] = []
     legit: dict[int, torch.Tensor | bool] = {}  # entry index -> the model's own non-finite values
@@ -376,8 +382,9 @@ def scan_state(
             h = agree.holders(t)
             counts[i] = (-(-counts[i][0] // h), -(-counts[i][1] // h))
     flags, owned, refs, legit_masks = [], [], {}, {}
-    for i, (name, key, p, t) in enumerate(entries):
-        refs[(name, key)] = (p, t)
+    for i, (raw, key, p, t) in enumerate(entries):
+        name = label.get(raw) or user_name(raw, prefix) or raw
+        refs[(name, key)] = (p, t, raw)
         bad, own = counts.get(i, (0, 0))
         if bad:
             flags.append(Flag(name, key, bad, t.numel()))
@@ -594,7 +601,7 @@ def _plan(optimizer: torch.optim.Optimizer, scan: StateScan, snap_model: Any, sn
         for name in dict.fromkeys(f.name for f in scan.flags):
             if (name, None) not in scan._refs:
                 continue
-            p, _ = scan._refs[(name, None)]
+            p, _, raw = scan._refs[(name, None)]
             pl = local(p)
             device = device if device is not None else pl.device
             state = [(path, v) for path, v in leaves(optimizer.state.get(p, {})) if _checkable(v)]
@@ -603,7 +610,7 @@ def _plan(optimizer: torch.optim.Optimizer, scan: StateScan, snap_model: Any, sn
                 if _same_shape(v, p):
                     mask |= ~torch.isfinite(local(v))
             pflag = next((f for f in scan.params if f.name == name), None)
-            psrc = _snap_tensor(snap_model.get(name)) if snap_model is not None else None
+            psrc = _snap_tensor(snap_model.get(raw)) if snap_model is not None else None
             psrc = psrc if psrc is not None and psrc.shape == pl.shape else None
             plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc, "at": len(counts), "keys": []}
             counts.append(int(pflag is not None and psrc is None))  # no snapshot of the parameter
@@ -708,9 +715,9 @@ def _write_buffers(scan: StateScan, snap_model: Any, repaired: list[RepairAction
                    unrepaired: list[RepairAction]) -> None:
     """Buffers (replicated, not sharded) are copied back from the snapshot as they are."""
     for f in scan.buffers:
-        _, b = scan._refs[(f.name, "buffer")]
+        _, b, raw = scan._refs[(f.name, "buffer")]
         b = local(b)
-        src = _snap_tensor(snap_model.get(f.name)) if snap_model is not None else None
+        src = _snap_tensor(snap_model.get(raw)) if snap_model is not None else None
         if src is None or src.shape != b.shape:
             unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
             continue

@@ -113,8 +113,8 @@ def restore_object(obj: Any, saved: Any) -> None:
     """``obj.load_state_dict`` with ``saved`` (a host copy of its ``state_dict()``), its tensors
     kept where they live: a module copies into its own; for anything else, when its live
     ``state_dict()`` returns its tensors (the PyTorch convention) in the same structure, they are
-    copied into in place and handed back -- diffusers' ``EMAModel.load_state_dict`` *adopts* the
-    tensors it is given, which would move its shadow weights to the host."""
+    copied into in place and handed back -- diffusers' ``EMAModel.load_state_dict`` keeps (a deep
+    copy of) the tensors it is given: given host copies, its shadow weights would move to the host."""
     if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(saved)
         return

@@ -135,7 +135,9 @@ class Injector:
         self.skip_diff: str | None = None  # what changed across the skipped step (None: nothing)
         self.skip_checked = False
         self.nonfinite_at_start: dict[str, torch.Tensor] = {}
-        self._hooks = [input_module.register_forward_pre_hook(self._pre), input_module.register_forward_hook(self._post)]
+        # never traced into a compiled model: the harness counts and injects eagerly, as on any model
+        self._hooks = [input_module.register_forward_pre_hook(torch.compiler.disable(self._pre)),
+                       input_module.register_forward_hook(torch.compiler.disable(self._post))]
         if fault.kind in ("inf_grad", "huge_grad"):
             self._hooks.append(param.register_hook(self._grad))
         self._post_hook = None
@@ -216,6 +218,8 @@ class CellResult:
     optimizer: torch.optim.Optimizer
     losses: list[float] = field(default_factory=list)
     applicable: bool = True
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """More training state that must end finite (an EMA of the weights passed in extra_state)."""
 
 
 def nonfinite_tensors(model: nn.Module, opt: torch.optim.Optimizer,
@@ -248,6 +252,7 @@ def check_invariants(r: CellResult) -> None:
     event_lines = "\n".join(str(e) for e in r.events if e.level >= Level.WARNING)
     assert r.exception is None, f"{desc}: {type(r.exception).__name__}: {r.exception}\n{event_lines}"
     bad = nonfinite_tensors(r.model, r.optimizer, r.injector.nonfinite_at_start)
+    bad += [k for k, t in r.extra_tensors.items() if not bool(torch.isfinite(t).all())]
     assert not bad, f"{desc}: non-finite at the end: {bad[:6]}\n{event_lines}"
     c = r.counters
     # counters and events agree
