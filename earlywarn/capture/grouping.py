@@ -36,7 +36,9 @@ def _wrapper_prefix(model: torch.nn.Module) -> tuple[str, ...]:
             break
         head = heads.pop()
         child = getattr(model, head, None)
-        framework = type(model).__module__.partition(".")[0] in _WRAPPING_PACKAGES
+        where = type(model).__module__
+        # torch.nn's own layers (a bare nn.TransformerEncoder holds only `layers`) are no wrappers
+        framework = where.partition(".")[0] in _WRAPPING_PACKAGES and not where.startswith("torch.nn.modules")
         if not isinstance(child, torch.nn.Module) or not (framework or head.startswith("_")):
             break
         prefix.append(head)

@@ -39,6 +39,7 @@ def frozen_refs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> "Fr
     refs = _REGISTRY.get(model)
     if refs is None:
         refs = _REGISTRY[model] = FrozenRefs(optimizer, model)
+    refs.hook(optimizer)  # the model watched again with another optimizer: that one is hooked too
     return refs
 
 
@@ -66,7 +67,15 @@ class FrozenRefs:
         self._holders: "weakref.WeakSet[HostCopy]" = weakref.WeakSet()
         # version when first seen frozen; _MOVING once written (never referenced again)
         self._seen: dict[int, int] = {id(p): p._version for p in model.parameters() if not p.requires_grad}
-        self._hook = optimizer.register_step_pre_hook(self._before_step)
+        self._hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._hooks: list[Any] = []
+        self.hook(optimizer)
+
+    def hook(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check before every step of ``optimizer`` (once per optimizer)."""
+        if optimizer not in self._hooked:
+            self._hooked.add(optimizer)
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
     def _static(self, p: torch.nn.Parameter) -> bool:
         v0 = self._seen.setdefault(id(p), p._version)
@@ -121,7 +130,9 @@ class FrozenRefs:
                           RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 def owned_bytes(host: HostCopy) -> int:
