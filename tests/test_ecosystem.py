@@ -403,6 +403,8 @@ def test_layer_names_carry_no_wrapper_prefix():
     h = Holder()
     assert set(build_layer_map(h, torch.optim.SGD(h.parameters(), lr=0.1)).layer_names) == {
         "module.inp", "module.hidden", "module.out"}
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False)
+    assert "layers.0.linear1" in build_layer_map(enc, torch.optim.SGD(enc.parameters(), lr=0.1)).layer_names
 
 
 def test_peft_names_drop_base_model_model():
