@@ -76,9 +76,9 @@ def nanogpt_loop(tmp_path, *, steps=80, poison_at=None, nan_at=(), lr_ramp_from=
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            if iter_num == poison_at and not poisoned:
+            if poison_at is not None and iter_num == poison_at + 1 and not poisoned:  # the update after poison_at
                 poisoned = True
-                opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+                model.hidden.weight.detach().fill_(float("nan"))  # NaN weights, as that update leaves them
             iter_num += 1
             loop.iter_num += 1
     except Halt as e:
@@ -292,9 +292,9 @@ def test_async_mode_rewinds_one_step_late_and_drops_the_step_in_flight(tmp_path)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if ew.step == 41 and not poisoned:
+        if ew.step == 42 and not poisoned:  # after the update of step 41
             poisoned = True
-            opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+            model.hidden.weight.detach().fill_(float("nan"))
     ew.flush()
     (r,) = reports
     # NaN weights after step 41, NaN loss at 42, read one step late (inside step 43)
