@@ -27,7 +27,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-_AVERAGE = re.compile(r"ema|averag|swa|polyak", re.IGNORECASE)
+# an EMA as class names spell it (EMAModel, ModelEmaV3, ema_*), never the "ema" inside "Schema"
+_AVERAGE = re.compile(r"EMA|Ema|^ema|_ema|(?i:averag|swa|polyak)")
 _FRAMES = 12
 
 
