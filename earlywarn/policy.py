@@ -104,6 +104,12 @@ class PolicyConfig:
     divergence_lookback: int = 50
     """See ``on_loss_diverged``: how far before the loss began to rise an abnormal update counts."""
 
+    lr_rise_ratio: float = 2.0
+    """A LOSS_DIVERGED warning also rewinds when the learning rate rose at least this much over the
+    ``divergence_lookback`` steps before the loss began to rise (a ramp the run could not take):
+    the rewind then holds the learning rate at the restored state's while the loop's stays above
+    it. Together with ``on_recurrence`` a ramp without end trains on at the highest rate it took."""
+
     on_grad_spike: Action | str = Action.NONE
     """GRAD_SPIKE (info): an isolated spike that already recovered; nothing to do."""
 
@@ -159,7 +165,7 @@ class PolicyConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use an int >= 0")
-        for name in ("lr_probe_grad_ratio", "lr_probe_loss_ratio"):
+        for name in ("lr_probe_grad_ratio", "lr_probe_loss_ratio", "lr_rise_ratio"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 1.0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use a ratio > 1 (value / its typical value)")
@@ -209,6 +215,8 @@ class Evidence(NamedTuple):
     """The global gradient norm over its typical value."""
     loss_ratio: float = math.nan
     """The loss over its typical value (as the detector's loss channel tracks it)."""
+    lr: float = math.nan
+    """The learning rate the step takes."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +240,9 @@ class PolicyDecision:
     alerts say when); the rewind goes back to before it."""
     lr_ceiling: float | None = None
     """After this step's rewind, step at no more than this learning rate while the loop's is above it."""
+    hold_lr_at_target: bool = False
+    """After this step's rewind, step at no more than the learning rate of the restored state while
+    the loop's is above it (a divergence a rising learning rate led into)."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
 
@@ -266,6 +277,7 @@ class Policy:
         self.quiet_outliers = 0  # outliers in a row skipped while the loss stayed at its level
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         self.probe: tuple[int, float] | None = None  # (tick of an LR jump, the highest LR survived before it)
+        self.lrs: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_lookback + 16)  # (tick, LR taken)
 
     def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
                state_finite: bool | None = None, skipped: bool = False, repairable: bool = False) -> PolicyDecision:
@@ -287,7 +299,9 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy = 0, None, False
+        back, ceiling, lr_copy, hold_target = 0, None, False, False
+        if evidence.lr == evidence.lr:
+            self.lrs.append((t, evidence.lr))
         nonfinite_now = warned_now = False
         for a in alerts:
             field = _KIND_FIELD.get(a.kind)
@@ -299,7 +313,7 @@ class Policy:
             if a.kind is Kind.GRAD_OUTLIER:
                 action = self._outlier(a, action, reasons)
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
-                action, back = self._divergence(a, t, reasons)
+                action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and a.signal == "lr" and cfg.lr_probe_steps:
                 self.probe, lr_copy = (t, float(a.values.get("baseline", math.nan))), True
             if action is Action.REWIND:
@@ -340,7 +354,8 @@ class Policy:
             suppressed=suppressed, rewind_triggers=tuple(triggers) if restores else (),
             halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak,
             onset_back=back if Action.REWIND in wanted else 0,
-            lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores)
+            lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
+            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None)
 
     # -- the rules that read more than one alert -----------------------------------------------
     def _outlier(self, a: Event, action: Action, reasons: list[str]) -> Action:
@@ -355,15 +370,21 @@ class Policy:
             return Action.NONE
         return action
 
-    def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int]:
-        """A loss far above its level is rewound only when an abnormal update came before its rise."""
+    def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
+        """A loss far above its level is rewound only when the run's own updates led into it: an
+        abnormal update before its rise (back to before it), or a learning rate that rose into it
+        (holding it at the restored state's). -> (action, steps back to the onset, hold the LR)."""
+        cfg = self.cfg
         onset = t - int(a.values.get("steps", 1.0)) + 1
         ab = self.abnormal
-        if ab is not None and onset - self.cfg.divergence_lookback <= ab < onset:
-            return Action.REWIND, t - ab + 1
-        reasons.append(f"no rewind for {a.kind} at step {a.step}: the loss rose with no abnormal update before it "
-                       "(a change in the data?); a rewind would meet the same data again")
-        return Action.NONE, 0
+        if ab is not None and onset - cfg.divergence_lookback <= ab < onset:
+            return Action.REWIND, t - ab + 1, False
+        before = [lr for k, lr in self.lrs if onset - cfg.divergence_lookback <= k <= onset]
+        if before and before[0] > 0.0 and max(before) >= cfg.lr_rise_ratio * before[0]:
+            return Action.REWIND, 0, True
+        reasons.append(f"no rewind for {a.kind} at step {a.step}: the loss rose with no abnormal update and no "
+                       "rising learning rate before it (a change in the data?); a rewind would meet the same data again")
+        return Action.NONE, 0, False
 
     def _probe(self, alerts: list[Event], ev: Evidence, t: int, bad: bool) -> tuple[int, float | None]:
         """The steps after an LR jump: unstable -> (steps back to the jump, the LR to hold)."""
@@ -382,8 +403,9 @@ class Policy:
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
-            if Action.REWIND in actions:
-                self.abnormal, self.probe, self.quiet_outliers = None, None, 0  # the trajectory after it is undone
+            if Action.REWIND in actions:  # the trajectory after it is undone
+                self.abnormal, self.probe, self.quiet_outliers = None, None, 0
+                self.lrs.clear()
             return
         kinds = {a.kind for a in alerts}
         if Kind.GRAD_OUTLIER in kinds or self.probe is not None and self.probe[0] == t:
@@ -441,7 +463,8 @@ class Policy:
                 "last_checkpoint": self.last_checkpoint, "last_warning": self.last_warning,
                 "checkpoints": list(self.checkpoints), "last_rewind": self.last_rewind,
                 "rewinds": list(self.rewinds), "quiet_outliers": self.quiet_outliers,
-                "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe)}
+                "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
+                "lrs": [list(x) for x in self.lrs]}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.tick = int(d["tick"])
@@ -455,3 +478,5 @@ class Policy:
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
         self.probe = None if probe is None else (int(probe[0]), float(probe[1]))
+        self.lrs.clear()
+        self.lrs.extend((int(k), float(lr)) for k, lr in d.get("lrs", []))

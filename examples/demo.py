@@ -6,9 +6,10 @@
 Fault 1 (a bad batch): one inf written into one gradient coordinate. Unguarded, Adam's moments
 turn NaN and so does every parameter one step later. earlywarn skips that step before the
 optimizer writes anything, and names the layer and the batch.
-Fault 2 (poisoned optimizer state, e.g. an unguarded step or a bit flip): NaN written into
-Adam's ``exp_avg``. The next step turns parameters NaN; earlywarn repairs the state or rewinds
-to the last clean snapshot and skips the batches that led there (quarantined, with sample ids).
+Fault 2 (poisoned weights, e.g. an unguarded update or a bit flip): NaN written into one weight
+matrix. The next loss is NaN; earlywarn rewinds to the last clean snapshot and skips the batches
+that led there (quarantined, with sample ids). (NaN in the optimizer's state alone is repaired
+before the update that would read it: no step is lost.)
 
 Everything it writes goes under ``--out``: the event log, checkpoints, the quarantine list, the
 embedded MLflow store (``mlflow.db``, artifacts in ``mlruns/``) and ``run.png``, a picture of the
@@ -256,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                 screen.line(f"[demo] step {step}: fault 1 injected: inf in one gradient coordinate of blocks.2.fc.weight")
             if step == args.poison_step and "poison" not in fired:
                 fired.add("poison")
-                opt.state[model.blocks[1].attn.weight]["exp_avg"].fill_(float("nan"))  # fault 2: poisoned state
-                faults[step] = "fault 2: NaN in Adam's exp_avg"
-                screen.line(f"[demo] step {step}: fault 2 injected: NaN written into Adam's exp_avg of blocks.1.attn.weight "
-                            "(this step's update spreads it into the weights)")
+                model.blocks[1].attn.weight.detach().fill_(float("nan"))  # fault 2: poisoned weights
+                faults[step] = "fault 2: NaN in the weights"
+                screen.line(f"[demo] step {step}: fault 2 injected: NaN written into the weights of blocks.1.attn.weight "
+                            "(as an unguarded update or a bit flip leaves them)")
             opt.step()
             if step % 10 == 0:
                 last_loss = loss.item()  # a host sync, only for the progress display every 10 steps

@@ -15,11 +15,11 @@ if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] \
   exit 0
 fi
 
-# step N "what": prints "[setup] N/4 what ... " now and the seconds it took when the pip run ends
+# step N "what": prints "[setup] N/5 what ... " now and the seconds it took when the pip run ends
 step() {
   local n=$1 what=$2 t0=$SECONDS log
   shift 2
-  printf '[setup] %s/4 %s ... ' "$n" "$what"
+  printf '[setup] %s/5 %s ... ' "$n" "$what"
   log=$(mktemp)
   if ! .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
     echo "failed"
@@ -43,7 +43,11 @@ step 1 "torch 2.13.0 (CPU build)" "torch==2.13.0"
 step 2 "earlywarn and the trackers (mlflow, wandb)" -c scripts/constraints.txt -e ".[mlflow,wandb]"
 step 3 "frameworks the tests train in (transformers, accelerate, lightning, torchdata)" \
   -c scripts/constraints.txt -e ".[huggingface,lightning,data]"
-step 4 "test tools (pytest, scipy, rich, tensorboard, pyarrow, torchvision, hypothesis)" -c scripts/constraints.txt -e ".[dev]"
+step 4 "test tools and the ecosystems the conformance suite trains in (peft, timm, diffusers, trl, ...)" \
+  -c scripts/constraints.txt -e ".[dev]"
+# litgpt's own pins (huggingface-hub<1.4) exclude what diffusers and trl need: without its deps
+# (the suite uses its model and Fabric loop: torch and lightning, both installed above)
+step 5 "litgpt (without its pins: see scripts/constraints.txt)" -c scripts/constraints.txt --no-deps litgpt
 # torchvision's PyPI wheel beside the CPU build of torch: see scripts/torchvision_cpu_shim.py
 site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp scripts/torchvision_cpu_shim.py "$site/_earlywarn_torchvision_cpu_shim.py"

@@ -156,7 +156,9 @@ def test_the_sync_recount_runs_only_on_the_rare_path():
     backward(model, 2)
     with Ops() as ops:
         opt.step()
-    assert ops.names.count("_foreach_norm") == 1  # healthy step: one pass, float32 on CPU
+    # healthy step: one pass over the gradients, float32 on CPU (the optimizer state's own pass,
+    # recover/statecheck.py, comes every 10th step for torch.optim's optimizers: not this one)
+    assert ops.names.count("_foreach_norm") == 1
     backward(model, 1)
     model.out.weight.grad[0, 0] = math.inf
     with Ops() as ops:

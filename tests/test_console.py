@@ -83,8 +83,8 @@ def test_a_rewind_is_one_line_with_the_cause_the_blame_and_the_quarantine_file(t
         loss = nn.functional.mse_loss(model(x), y)
         ew.report_loss(loss)
         loss.backward()
-        if i == 12:  # poisoned state: this update spreads NaN into the weights, the next loss is NaN
-            opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+        if i == 12:  # NaN weights (what an update from poisoned state writes): the next loss is NaN
+            model.hidden.weight.detach().fill_(float("nan"))
         opt.step()
     ew.close()
     (line,) = lines_of(out)
@@ -115,7 +115,7 @@ def test_halt_prints_its_line_before_the_exception_leaves_the_step(tmp_path):
             ew.report_loss(loss)
             loss.backward()
             if i == 4:
-                opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+                model.hidden.weight.detach().fill_(float("nan"))
             opt.step()
     lines = lines_of(out)
     assert len(lines) == 1

@@ -52,8 +52,8 @@ def test_watch_keeps_its_files_in_one_folder_and_says_so_once(clean_cwd):
         loss = nn.functional.mse_loss(model(x), y)
         ew.report_loss(loss)
         loss.backward()
-        if i == 8:  # poisoned state: the next loss is NaN and earlywarn rewinds, quarantining batches
-            opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+        if i == 8:  # NaN weights: the next loss is NaN and earlywarn rewinds, quarantining batches
+            model.hidden.weight.detach().fill_(float("nan"))
         opt.step()
     ew.close()
     assert [p.name for p in clean_cwd.iterdir()] == ["earlywarn_output"]

@@ -291,15 +291,23 @@ def test_a_causal_mask_padding_bias_and_frozen_inf_are_the_models_own_not_poison
     assert scan.clean and {f.where: f.nonfinite for f in scan.owned} == {
         "frozen": 1, "mask[buffer]": 28, "pad_bias[buffer]": 1}
     assert "the model's own non-finite values are not poison" in scan.summary()
-    # a real fault still rewinds (before: "no snapshot or checkpoint to rewind to")
+    def steps(n: int) -> None:
+        for _ in range(n):
+            x, y = lm_batch(g)
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 20), y.reshape(-1))
+            ew.report_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    # poisoned state is repaired before the next update reads it (the per-step state check)
     opt.state[model.head.weight]["exp_avg"].fill_(math.nan)
-    for _ in range(3):
-        x, y = lm_batch(g)
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 20), y.reshape(-1))
-        ew.report_loss(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    steps(1)
+    assert ew.counters["repaired_steps"] == 1 and ew.counters["rewinds"] == 0 and ew.recovery.scan().clean
+    # poisoned weights still rewind (before: "no snapshot or checkpoint to rewind to")
+    with torch.no_grad():
+        model.head.weight.fill_(math.nan)
+    steps(3)
     assert ew.counters["rewinds"] == 1 and ew.recovery.scan().clean
     assert int((~torch.isfinite(model.mask)).sum()) == 28  # the mask is as it was
     ew.close()

@@ -185,7 +185,7 @@ def test_an_instability_that_comes_back_after_a_rewind_halts_with_a_diagnosis(tm
     assert err.value.reason == "recurrence"
     assert msg.startswith("recurrence: loss_diverged at step")
     assert "on new batches (none of the" in msg and "not a bad batch" in msg
-    assert "learning rate (param group 0): 4 at step 2 (restored)" in msg and "flat: not the schedule" in msg
+    assert "learning rate (largest over param groups): 4 at step 2 (restored)" in msg and "flat: not the schedule" in msg
     assert "on_recurrence='lower_lr'" in msg
     # by default a recurrence is answered (a lower learning rate) until the episode's rewinds are spent
     with pytest.raises(Halt) as err:

@@ -76,9 +76,9 @@ def nanogpt_loop(tmp_path, *, steps=80, poison_at=None, nan_at=(), lr_ramp_from=
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            if iter_num == poison_at and not poisoned:
+            if poison_at is not None and iter_num == poison_at + 1 and not poisoned:  # the update after poison_at
                 poisoned = True
-                opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+                model.hidden.weight.detach().fill_(float("nan"))  # NaN weights, as that update leaves them
             iter_num += 1
             loop.iter_num += 1
     except Halt as e:
@@ -179,24 +179,20 @@ def test_a_bad_batch_with_a_loader_is_named_and_the_skip_leaves_the_state_bit_id
 
 
 @pytest.mark.parametrize("resync", [True, False])
-def test_a_loop_lr_ramp_ends_in_a_halt_naming_the_recurrence_and_the_lr(tmp_path, resync):
+def test_a_loop_lr_ramp_is_rewound_and_trains_on_at_the_highest_lr_it_took(tmp_path, resync):
     out = nanogpt_loop(tmp_path, steps=200, lr_ramp_from=40, resync=resync, opt_name="sgd")
-    halt, ew = out["halt"], out["ew"]
-    assert halt is not None and halt.reason == "recurrence"
-    msg = str(halt)
-    assert msg.startswith("recurrence: loss_diverged") and "not a bad batch" in msg
-    assert "learning rate (param group 0):" in msg and "rising" in msg
-    # the trend: the rate at the restored step, at the first incident (read before the restore
-    # put the snapshot's back), now -- rising along the ramp
-    m = re.search(r"learning rate \(param group 0\): ([\d.e+-]+) at step \d+ \(restored\) -> ([\d.e+-]+) at step "
-                  r"\d+ \(first incident\) -> ([\d.e+-]+) at step", msg)
-    assert m and float(m.group(1)) < float(m.group(2)), msg
-    if not resync:  # the loop kept its own iter_num: said so
-        assert "the loop's learning rate did not go back with the rewind" in msg
-    (first,) = out["reports"]  # one rewind, then the diagnosis: never a second one further back
+    ew = out["ew"]
+    # the loss diverged with the learning rate rising into it: a rewind, and the learning rate held
+    # at the restored state's while the loop's ramp stays above it -- the run trains on, no halt
+    assert out["halt"] is None and ew.step >= 150  # (without resync the loop's own count ends it earlier)
+    first = out["reports"][0]
     assert first.lost_steps <= 50 and out["replayed"] == 0
-    halts = [e for e in ew.events if e.kind is Kind.HALT]
-    assert len(halts) == 1 and halts[0].message == msg
+    held = [e for e in ew.events if e.kind is Kind.REWIND and e.signal == "lr_ceiling"]
+    assert held and "a rise" in held[0].message and held[0].values["lr_ceiling"] > 0
+    lr_at_target = 2e-2 * 1.08 ** (first.restored_step - 40)
+    assert held[0].values["lr_ceiling"] == pytest.approx(lr_at_target, rel=1e-6)
+    diverged = [e for e in ew.events if e.kind is Kind.LOSS_DIVERGED]
+    assert diverged and all(e.level is Level.WARNING for e in diverged)  # the rewind is the critical event
 
 
 def test_lower_lr_on_recurrence_rewinds_no_further_back_and_lowers_the_lr(tmp_path):
@@ -207,7 +203,8 @@ def test_lower_lr_on_recurrence_rewinds_no_further_back_and_lowers_the_lr(tmp_pa
     assert all(r.restored_step >= first for r in reports)
     assert [r.lr_factor for r in reports[:3]] == [1.0, 0.5, 0.25][: len(reports[:3])]
     assert reports[1].recurrence is not None and "Going on at 0.5x the learning rate" in reports[1].message
-    assert out["halt"] is not None  # a ramp without bound outruns any factor: it halts in the end
+    # the ramp goes on without bound, but earlywarn holds the learning rate: the run trains to its end
+    assert out["halt"] is None and out["ew"].step == 200
 
 
 def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
@@ -233,8 +230,8 @@ def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
         pass
     notes = [e for e in ew.events if e.kind is Kind.REWIND and e.values.get("rewound") == 0.0]
     assert notes and "cooldown" in notes[0].message and "PolicyConfig.rewind_cooldown" in notes[0].message
-    crit = [e for e in ew.events if e.level is Level.CRITICAL and e.kind is Kind.LOSS_DIVERGED]
-    assert len(crit) >= 2  # each critical rewind trigger got an answer: a rewind, a note, or the halt
+    diverged = [e for e in ew.events if e.kind is Kind.LOSS_DIVERGED]
+    assert len(diverged) >= 2  # each rewind trigger got an answer: a rewind, a note, or the halt
     ew.close()
 
 
@@ -253,7 +250,7 @@ def test_info_spikes_do_not_make_snapshots_unclean_and_snapshots_come_faster_aft
         loss.backward()
         if it == 60:
             for p in model.parameters():
-                p.grad.mul_(30)  # one spike that recovers: an info alert
+                p.grad.mul_(6)  # one spike that recovers: an info alert (below an outlier's 10x)
         opt.step()
         taken |= {(s.step, s.clean) for s in ew.recovery.ring.entries}
     assert [e.kind for e in ew.events if e.level >= Level.INFO and e.kind is not Kind.CHECKPOINT] == [Kind.GRAD_SPIKE]
@@ -292,9 +289,9 @@ def test_async_mode_rewinds_one_step_late_and_drops_the_step_in_flight(tmp_path)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if ew.step == 41 and not poisoned:
+        if ew.step == 42 and not poisoned:  # after the update of step 41
             poisoned = True
-            opt.state[model.hidden.weight]["exp_avg"].fill_(float("nan"))
+            model.hidden.weight.detach().fill_(float("nan"))
     ew.flush()
     (r,) = reports
     # NaN weights after step 41, NaN loss at 42, read one step late (inside step 43)

@@ -2,9 +2,9 @@
 turn what a tracker stored back into rows. Shared by the end-to-end tracker tests.
 
 The run (a small MLP, Adam, ``report_loss``, snapshots every 10 steps): an inf gradient at step
-20 (skip), growing gradients from step 40 (warning + checkpoint), poisoned Adam state with three
-non-finite gradient steps from 60 (skips, then a repair), poisoned ``exp_avg`` at 80 (non-finite
-loss, a rewind). What earlywarn *did* is read from the watcher's own events and from a recording
+20 (skip), growing gradients from step 40 (warning + checkpoint), poisoned Adam state with two
+non-finite gradient steps from 60 (the state repaired before the update, skips), NaN weights after
+the update of step 80 (non-finite loss, a rewind). What earlywarn *did* is read from the watcher's own events and from a recording
 sink that sees exactly what every tracker sink was handed, so the tests hold when detector or
 policy details change.
 """
@@ -91,11 +91,12 @@ def run_scenario(sinks: Sequence[Any], sink_options: Mapping[str, Mapping[str, A
                     p.grad.mul_(3.0 ** (step - WARN_FROM + 1))
             if step == REPAIR_FROM:
                 opt.state[model.out.weight]["exp_avg_sq"][0, 0] = math.nan  # state poisoned, params still finite
-            if REPAIR_FROM <= step < REPAIR_FROM + 3:
+            if REPAIR_FROM <= step < REPAIR_FROM + 2:  # two, not three: a streak of three rewinds
                 model.inp.weight.grad[0, 0] = math.inf
-            if step == POISON_AT:
-                opt.state[model.hidden.weight]["exp_avg"].fill_(math.nan)  # the next update poisons the params
             opt.step()
+            if step == POISON_AT:  # a bad update wrote NaN into the weights: the next loss is NaN
+                with torch.no_grad():
+                    model.hidden.weight.fill_(math.nan)
             if user_log is not None and user_every is not None and step % user_every == user_every - 1:
                 if flush_before_user:
                     ew.flush()  # deterministic: earlywarn's values for this step are in before the user's row

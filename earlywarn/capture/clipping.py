@@ -14,6 +14,13 @@ and which gradient tensor it scaled, with that tensor's version counter. The wat
 statistics by the factor only while that gradient is still the one it reads, unwritten since (a new
 backward, ``zero_grad``, an unscale replace or bump it): otherwise the record is stale and ignored.
 
+``clip_grad_norm_(..., error_if_nonfinite=True)`` -- Lightning Fabric's ``fabric.clip_gradients``
+default, litgpt's pretraining loop -- would raise on the very step earlywarn exists to skip. Its
+norm comes from ``clip_grad._get_total_norm``, also a module global: wrapped the same way, a call
+over gradients a watcher reads runs with ``error_if_nonfinite=False`` (which also spares the host
+sync torch's check costs), so the non-finite step reaches ``optimizer.step`` and is skipped there,
+counted and named like any other; a call over gradients no watcher reads raises as before.
+
 Not seen: FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_``, ``clip_grad_value_`` (not a
 single factor), and a clip of DTensor gradients (FSDP2); there the statistics are the clipped ones.
 """
@@ -29,6 +36,7 @@ import torch
 _lock = threading.Lock()
 _observers: "weakref.WeakSet[ClipObserver]" = weakref.WeakSet()
 _original: Callable[..., Any] | None = None
+_original_norm: Callable[..., Any] | None = None
 
 
 class _Record:
@@ -69,6 +77,11 @@ class ClipObserver:
             return None  # written since the clip (a new backward, zero_grad, an unscale): stale
         return rec.coef.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
 
+    def reads(self, tensors: Any) -> bool:
+        """One of ``tensors`` is a gradient this watcher reads."""
+        ids = {id(t) for t in tensors}
+        return any(p.grad is not None and id(p.grad) in ids for p in self._params)
+
     def close(self) -> None:
         with _lock:
             _observers.discard(self)
@@ -106,6 +119,23 @@ def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return clip_grads_with_norm_
 
 
+def _norm_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        if error_if_nonfinite and not _compiling() and _observers:
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            with _lock:
+                observers = list(_observers)
+            if any(obs.reads(tensors) for obs in observers):
+                error_if_nonfinite = False  # earlywarn skips that step: no exception out of the loop
+        return original(tensors, norm_type, error_if_nonfinite, foreach)
+
+    _get_total_norm.__wrapped__ = original  # type: ignore[attr-defined]
+    _get_total_norm.__doc__ = original.__doc__
+    _get_total_norm._earlywarn = True  # type: ignore[attr-defined]
+    return _get_total_norm
+
+
 def _compiling() -> bool:
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(is_compiling()) if is_compiling is not None else False
@@ -113,7 +143,7 @@ def _compiling() -> bool:
 
 def observe_clipping(params: "tuple[torch.nn.Parameter, ...]") -> ClipObserver:
     """A :class:`ClipObserver` for ``params``, the wrapper installed (once per process)."""
-    global _original
+    global _original, _original_norm
     from torch.nn.utils import clip_grad
 
     with _lock:
@@ -124,6 +154,13 @@ def observe_clipping(params: "tuple[torch.nn.Parameter, ...]") -> ClipObserver:
             clip_grad._clip_grads_with_norm_ = wrapped
             if getattr(torch.nn.utils, "clip_grads_with_norm_", None) is current:
                 torch.nn.utils.clip_grads_with_norm_ = wrapped
+        norm = getattr(clip_grad, "_get_total_norm", None)
+        if norm is not None and not getattr(norm, "_earlywarn", False):
+            _original_norm = norm
+            wrapped = _norm_wrapper(norm)
+            clip_grad._get_total_norm = wrapped
+            if getattr(torch.nn.utils, "get_total_norm", None) is norm:
+                torch.nn.utils.get_total_norm = wrapped
         obs = ClipObserver(params)
         if _original is not None:
             _observers.add(obs)

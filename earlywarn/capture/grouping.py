@@ -14,24 +14,36 @@ ROOT = "<root>"
 # Path components that wrappers insert and users never write: torch.compile's OptimizedModule
 # (`_orig_mod`), FSDP1, activation checkpointing, torchrec. Counted, they would shift `depth:N`.
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_dmp_wrapped_module"})
+# Packages whose modules wrap a model under one attribute (DDP's `module`, Fabric's `_forward_module`,
+# peft's `base_model.model`, DeepSpeed's engine, accelerate's wrappers...).
+_WRAPPING_PACKAGES = frozenset({"torch", "lightning", "lightning_fabric", "pytorch_lightning", "accelerate",
+                                "deepspeed", "peft", "fairscale", "torchtune", "composer", "apex", "megatron"})
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 def _wrapper_prefix(model: torch.nn.Module) -> tuple[str, ...]:
-    """The leading path components of the wrappers around the user's model: `module` for DDP /
-    DataParallel (only there: a submodule the user named `module` is a real name), `_orig_mod`
-    for a compiled one, in any nesting."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
+    """The leading path components of the wrappers around the user's model, in any nesting. A
+    wrapper holds no parameter or buffer of its own and nests everything under one attribute, and
+    is a framework's (its class comes from a package that wraps models: torch's compile, DDP,
+    DataParallel; Lightning Fabric; peft; DeepSpeed; ...) or nests under a private attribute
+    (``_forward_module``). A submodule the user named ``module`` inside their own model is a real name."""
     prefix: list[str] = []
-    while True:
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
-            prefix.append("module")
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), torch.nn.Module):
-            prefix.append("_orig_mod")
-            model = model._orig_mod
-        else:
-            return tuple(prefix)
+    params = [n.split(".") for n, _ in model.named_parameters()]
+    buffers = [n.split(".") for n, _ in model.named_buffers()]
+    while params:
+        heads = {p[0] for p in params + buffers if len(p) > 1}
+        if len(heads) != 1 or any(len(p) == 1 for p in params + buffers) or isinstance(model, _CONTAINERS):
+            break
+        head = heads.pop()
+        child = getattr(model, head, None)
+        where = type(model).__module__
+        # torch.nn's own layers (a bare nn.TransformerEncoder holds only `layers`) are no wrappers
+        framework = where.partition(".")[0] in _WRAPPING_PACKAGES and not where.startswith("torch.nn.modules")
+        if not isinstance(child, torch.nn.Module) or not (framework or head.startswith("_")):
+            break
+        prefix.append(head)
+        model, params, buffers = child, [p[1:] for p in params], [b[1:] for b in buffers]
+    return tuple(prefix)
 
 
 def user_name(param_name: str, prefix: tuple[str, ...] = ()) -> str:
@@ -50,10 +62,11 @@ def _group_name(param_name: str, group_by: GroupBy, prefix: tuple[str, ...] = ()
                 f"group_by returned {name!r} for parameter {param_name!r}: it must return a non-empty layer name"
             )
         return name
-    if group_by == "module":
-        return param_name.rpartition(".")[0] or ROOT  # named as the parameters are, wrappers included
-    # depth counts the user's own modules: a wrapper's components would shift it
+    # named as the user's own model names it: a wrapper's components (a compiled model's
+    # `_orig_mod.`, Fabric's `_forward_module.`, DDP's `module.`) are no part of a layer's name
     module_path = user_name(param_name, prefix).rpartition(".")[0]
+    if group_by == "module":
+        return module_path or ROOT
     depth = group_by if isinstance(group_by, int) else int(str(group_by).partition(":")[2])
     parts = module_path.split(".") if module_path else []
     return ".".join(parts[:depth]) or ROOT
@@ -73,6 +86,25 @@ def _check_group_by(group_by: GroupBy) -> None:
         "'depth:N' or an int N (module path cut to N components, e.g. 2 -> 'blocks.3'), "
         "or a function mapping a parameter name to a layer name"
     )
+
+
+_IN_BACKWARD = (
+    "earlywarn cannot guard an optimizer stepped inside backward (torchtune's optimizer_in_bwd=True, torch's "
+    "_apply_optimizer_in_backward): each parameter is updated by its own optimizer as soon as its gradient "
+    "exists, so a NaN gradient is applied before the step's gradients can be checked together, and there is no "
+    "single optimizer.step() to skip. Train with the optimizer stepped after backward (torchtune: "
+    "optimizer_in_bwd=False) to use earlywarn")
+
+
+def _refuse_optimizer_in_backward(model: torch.nn.Module, optimizer: object) -> None:
+    """Optimizer-in-backward (its per-parameter optimizers, or a wrapper holding them) is refused
+    with the reason and the fix, not with a type error."""
+    held = getattr(optimizer, "optim_map", optimizer)  # torchtune's OptimizerInBackwardWrapper
+    values = list(held.values()) if isinstance(held, dict) else held if isinstance(held, (list, tuple)) else []
+    several = len(values) > 1 and all(isinstance(o, torch.optim.Optimizer) for o in values)
+    in_hooks = any(getattr(p, "_in_backward_optimizers", None) for p in model.parameters())
+    if several or in_hooks:
+        raise ValueError(_IN_BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -110,6 +142,7 @@ def build_layer_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gr
     _check_group_by(group_by)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"earlywarn.watch needs a torch.nn.Module as model, got {type(model).__name__}")
+    _refuse_optimizer_in_backward(model, optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"earlywarn.watch needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     names = {id(p): n for n, p in model.named_parameters()}
@@ -130,7 +163,10 @@ def build_layer_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gr
         raise ValueError(
             f"{len(missing)} of the optimizer's {len(params)} parameters are not in the model "
             f"(shapes {shapes}{', ...' if len(missing) > 3 else ''}): pass the model whose parameters "
-            "this optimizer updates (for a wrapped model, the wrapper that owns them)"
+            "this optimizer updates (for a wrapped model, the wrapper that owns them). One optimizer over "
+            "two models (a GAN's generator and discriminator, an encoder and a head built apart): watch one "
+            "module that holds both, earlywarn.watch(torch.nn.ModuleDict({'generator': G, 'discriminator': "
+            "D}), optimizer) -- nn.ModuleDict registers them without changing either"
         )
     if not params:
         raise ValueError("the optimizer has no parameters: nothing to watch")

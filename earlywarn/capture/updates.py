@@ -21,16 +21,19 @@ import math
 import torch
 
 
-def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+def learning_rate(optimizer: torch.optim.Optimizer, *, read_device: bool = False) -> float | None:
     """The largest learning rate over the optimizer's parameter groups (the most aggressive one
-    decides the hazard), or ``None`` when no group has a readable, finite one."""
+    decides the hazard; a frozen group's 0 never hides the one that trains), or ``None`` when no
+    group has a readable, finite one. The one rule for every learning rate earlywarn reports: the
+    detector's, the recurrence's diagnosis. ``read_device``: read a tensor LR on an accelerator
+    too (a host sync: rare paths only)."""
     best = None
     for group in optimizer.param_groups:
         lr = group.get("lr")
         if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1:
+            if lr.numel() != 1 or (lr.device.type != "cpu" and not read_device):
                 continue  # reading it would sync the device
-            lr = lr.item()
+            lr = float(lr.detach().reshape(-1)[0])
         if isinstance(lr, bool) or not isinstance(lr, (int, float)):
             continue
         lr = float(lr)

@@ -100,7 +100,8 @@ class Judge:
         if state_finite and episode.in_incident(step):
             state_finite = None  # an incident is in progress: finite is not proof of one bad batch
         repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
-        policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios()), state_finite=state_finite,
+        lr = obs.extras.get("lr", float("nan"))
+        policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr), state_finite=state_finite,
                                     skipped=overflow, repairable=repairable)
         # async: a policy SKIP cannot be honoured, the update was queued before it was judged
         wanted = Action.SKIP in policy and not self._late or loss_bad and not self._late

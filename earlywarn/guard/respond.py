@@ -156,13 +156,15 @@ class Responses:
             self.halt(tag, str(exc), cause=exc)
         self.telemetry.count("rewinds")
         ceiling = decision.policy.lr_ceiling
+        if decision.policy.hold_lr_at_target:
+            ceiling = self.recovery.lr_at(report.restored_step)
         if ceiling is not None:
             self.recovery.hold_lr(ceiling)
             self.telemetry.emit(Event(
                 step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="lr_ceiling",
-                message=(f"the run became unstable right after its learning rate jumped: earlywarn steps at no more "
-                         f"than {ceiling:.3g} (the highest it had survived) while the loop's learning rate stays "
-                         "above it"), values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
+                message=(f"the learning rate led the run into this ({'a jump' if decision.policy.lr_ceiling else 'a rise'}): "
+                         f"earlywarn steps at no more than {ceiling:.3g} (the highest it had run at calmly) while the "
+                         "loop's learning rate stays above it"), values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
         return report
 
     def _blame(self, decision: Decision, tag: StepTag, first: int) -> Any:

@@ -1,8 +1,9 @@
 """The step's statistics vector: what goes into it, how the host reads it, the Observation it becomes.
 
-One small device vector per optimizer step, ``[layer_sq..., loss, loss_scale, user signals...]``
-(per-layer squared gradient norms, the reported loss, the GradScaler's scale, one slot per user
-signal ever reported), moved to the host once: now (sync mode) or a step or more late (async).
+One small device vector per optimizer step, ``[layer_sq..., loss, loss_scale, user signals...,
+state]`` (per-layer squared gradient norms, the reported loss, the GradScaler's scale, one slot per
+user signal ever reported, the optimizer state's finiteness), moved to the host once: now (sync
+mode) or a step or more late (async).
 Under ``torch.distributed`` it goes through one all-reduce first, so every rank decides alike.
 A bad step (non-finite) takes a second, rare pass for exact per-layer element counts.
 """
@@ -23,6 +24,7 @@ from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import Observation
 from earlywarn.metrics import sanitize_key
 from earlywarn.recover._state import fence_copies
+from earlywarn.recover.statecheck import StateCheck
 
 # A finite gradient whose square overflows float32 poisons every second-moment state (Adam's v,
 # Adagrad's sum, Adafactor's row/col variances become inf, then NaN): it is skipped like a
@@ -94,7 +96,7 @@ class StepStatistics:
     from the start: nothing can be recounted after the fact)."""
 
     def __init__(self, layer_map: LayerMap, optimizer: torch.optim.Optimizer, scaler: Any, *, late: bool,
-                 world_size: int):
+                 world_size: int, state_check_every: int = 1):
         self.layer_map = layer_map
         self.optimizer = optimizer
         self.scaler = scaler
@@ -111,6 +113,10 @@ class StepStatistics:
             from earlywarn.capture.distributed import StatsReducer
 
             self.reducer = StatsReducer(layer_map, world_size)
+        # the optimizer state's finiteness every state_check_every steps (0: never), the vector's last
+        # entry: a poisoned moment is repaired before the update that would read it
+        self.state_check = StateCheck(optimizer)
+        self.state_check_every = state_check_every
         self.user_names: list[str] = []  # user signals ("user/<name>"), in the order first reported
         self._reported: dict[str, _Mean] = {}  # "loss" and user signals reported since the last step
         self._nan: dict[tuple, torch.Tensor] = {}  # the vector's "not reported" entry, per (device, dtype)
@@ -168,6 +174,8 @@ class StepStatistics:
             parts.append(nan if acc is None else _onto(acc.mean(), dev, dt))
             if acc is not None:
                 users.append((key, len(layer_sq) + 2 + j))
+        every = self.state_check_every
+        parts.append(self.state_check.flag(dev, dt) if every and step % every == 0 else self._zero(dev, dt))
         vec = torch.cat(parts)
         if self.reducer is not None:
             vec = self.reducer.reduce(vec)
@@ -177,6 +185,12 @@ class StepStatistics:
         tag = StepTag(step, step, None, loss is not None)
         tag.users, tag.inv_scale, tag.clip = tuple(users), inv_scale, clip
         return vec, tag
+
+    def _zero(self, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
+        z = self._nan.get((dev, dt, 0))
+        if z is None:  # made once
+            z = self._nan[(dev, dt, 0)] = torch.zeros(1, dtype=dt, device=dev)
+        return z
 
     def read_now(self, vec: torch.Tensor, tag: StepTag) -> np.ndarray:
         """The step's one batched host read (sync mode); a bad step is recounted exactly."""

@@ -43,6 +43,8 @@ from earlywarn.guard.telemetry import RunClock, Telemetry, safe_call
 from earlywarn.metrics import MetricsConfig
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Recovery, RecoveryConfig
+from earlywarn.recover.ema import averaged_copies_warning
+from earlywarn.recover.statecheck import check_every
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
 _LIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()  # watchers attached now: a name when there are several
@@ -62,8 +64,10 @@ class Watcher:
         fused = is_fused(optimizer)
         self.mode = _mode(config, fused, {p.device for p in layer_map.params})
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        recovery_cfg = config.recovery or RecoveryConfig()
         self.statistics = StepStatistics(layer_map, optimizer, self.scaler, late=self.mode == "async",
-                                         world_size=torch.distributed.get_world_size() if dist else 1)
+                                         world_size=torch.distributed.get_world_size() if dist else 1,
+                                         state_check_every=check_every(optimizer, recovery_cfg.state_check_every))
         self.detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
         self.policy = Policy(config.policy or PolicyConfig())
         if self.mode == "async":
@@ -71,10 +75,13 @@ class Watcher:
         self.telemetry = Telemetry(RunClock(), layer_map.layer_names, config.metrics or MetricsConfig(),
                                    _name(config, model))
         self._created = next(_CREATED)
+        ema_note = averaged_copies_warning(model, extra_state, depth=3)  # an EMA a rewind would leave poisoned
+        if ema_note:
+            warnings.warn(ema_note, RuntimeWarning, stacklevel=3)
         extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy,
                  "earlywarn_watcher": WatcherCheckpointState(self.telemetry), **(extra_state or {})}
         self.recovery = Recovery(
-            model, optimizer, config.recovery or RecoveryConfig(), scheduler=scheduler, scaler=self.scaler,
+            model, optimizer, recovery_cfg, scheduler=scheduler, scaler=self.scaler,
             loader=loader, extra_state=extra, emit=self.telemetry.emit_trained, run_step=self.telemetry.clock.run,
             # A rewind restores the model and the detector, not the policy's rewind budget or our counters.
             keep_on_rewind=("earlywarn_policy", "earlywarn_watcher"),
@@ -387,6 +394,9 @@ class Watcher:
         return self._judge(self.statistics.read_now(vec, tag), tag)
 
     def _judge(self, host: np.ndarray, tag: StepTag) -> Decision:
+        # a poisoned optimizer moment (the vector's last entry) is repaired before this step's update
+        if self.statistics.state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step):
+            self.telemetry.count("repaired_steps")
         obs = self.statistics.observation(host, tag)
         decision = self.judge(obs, host[:self.statistics.layer_map.num_layers], tag.counts is not None,
                               tag.step, self.episode)

@@ -13,6 +13,7 @@ import torch
 
 from earlywarn.capture.hostread import HOST_WAITS, record_event
 
+from ._tree import at, leaves, same_structure
 from .errors import CheckpointError
 
 try:  # torch builds without distributed support have no DTensor (and no sharded state)
@@ -94,7 +95,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     for g in optimizer.param_groups:
         for p in g["params"]:
             out.append(local(p.detach()))
-            out += [local(v) for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            out += [local(v) for _, v in leaves(optimizer.state.get(p, {}))]
     return out
 
 
@@ -177,56 +178,79 @@ _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # immutable le
 
 
 def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" = None,
-            check_finite: bool = False, agree: bool = False) -> HostCopy:
+            check_finite: bool = False, agree: bool = False, shared: "set[int] | None" = None) -> HostCopy:
     """Copy every tensor in ``tree`` to host memory (never aliasing the live tensors); other leaves
     are deep-copied. ``reuse`` is an older copy of the same structure whose buffers are recycled
     (no fresh host allocation every snapshot for a model of fixed shape). ``side``: the
     optimizer's tensors (see the note above); ``check_finite``: flag whether they are finite;
     ``agree``: under torch.distributed, the flag is summed over ranks (a collective: every rank
-    calls this together)."""
-    side = side or []
-    side_keys = {k for k in (_key(t) for t in side) if k is not None}
-    side_copies: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
-    main_devices: set[torch.device] = set()
-    owned_host: list[torch.Tensor] = []
+    calls this together). ``shared``: ids of tensors that are kept as they are, not copied (frozen
+    weights: see :class:`FrozenRefs`)."""
+    copier = _HostCopier(side or [], shared or set())
+    out = copier.rec(tree, reuse)
+    copier.copy_host()
+    events = [record_event(d) for d in copier.main_devices]  # recorded on each device's compute stream
+    events, flags = copier.side_stream_copies(events, check_finite, agree)
+    host = HostCopy(out, events, flags=flags, owned=copier.owned_host)
+    host.checked = check_finite
+    return host
 
-    def copy_leaf(x: torch.Tensor, r: Any) -> torch.Tensor:
+
+class _HostCopier:
+    """One :func:`to_host` call: walks the tree, places each tensor's copy, then issues the copies
+    (host ones in one multi-tensor call per dtype; device ones on the compute or the side stream)."""
+
+    def __init__(self, side: list[torch.Tensor], shared: set[int]) -> None:
+        self.side = side
+        self.shared = shared
+        self.side_keys = {k for k in (_key(t) for t in side) if k is not None}
+        self.side_copies: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
+        self.host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.main_devices: set[torch.device] = set()
+        self.owned_host: list[torch.Tensor] = []
+
+    def copy_leaf(self, x: torch.Tensor, r: Any) -> torch.Tensor:
+        if id(x) in self.shared:
+            return x  # never written while it is frozen: the model's own tensor serves every snapshot
         if (type(r) is torch.Tensor and x.device.type == "cpu" and r.shape == x.shape and r.dtype == x.dtype
-                and not is_dtensor(x) and r.layout == x.layout == torch.strided and r.device.type == "cpu"):
+                and not is_dtensor(x) and r.layout == x.layout == torch.strided and r.device.type == "cpu"
+                and r.data_ptr() != x.data_ptr()):  # never a live tensor an older snapshot referenced
             # the common case of a periodic snapshot on the host: into the recycled buffer
-            host_copies.append((r, x))
-            if side_keys and _key(x) in side_keys:
-                owned_host.append(r)
+            self.host_copies.append((r, x))
+            if self.side_keys and _key(x) in self.side_keys:
+                self.owned_host.append(r)
             return r
         if is_dtensor(x):
             # local shard only; the copy keeps the layout (see the note on sharded tensors above)
             same = is_dtensor(r) and r._spec == x._spec
-            return like_sharded(copy_leaf(local(x), local(r) if same else None), x)
+            return like_sharded(self.copy_leaf(local(x), local(r) if same else None), x)
         x = x.detach()
         dst = _host_buffer(x, r)
-        owned = _key(x) in side_keys
+        if dst is not None and dst.data_ptr() == x.data_ptr():
+            dst = None
+        owned = _key(x) in self.side_keys
         if dst is None:
             dst = x.to("cpu", copy=True)
         elif x.device.type == "cuda" and dst.is_pinned():
             if owned:
-                side_copies[x.device].append((dst, x))  # queued on the side stream below
+                self.side_copies[x.device].append((dst, x))  # queued on the side stream
             else:
                 dst.copy_(x, non_blocking=True)
-                main_devices.add(x.device)
+                self.main_devices.add(x.device)
         else:
-            host_copies.append((dst, x))  # copied together below: one multi-tensor call
+            self.host_copies.append((dst, x))  # copied together: one multi-tensor call
         if owned:
-            owned_host.append(dst)
+            self.owned_host.append(dst)
         return dst
 
-    def rec(x: Any, r: Any) -> Any:
+    def rec(self, x: Any, r: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return copy_leaf(x, r)
+            return self.copy_leaf(x, r)
         if isinstance(x, dict):
             rr = r if isinstance(r, dict) else {}
             out = collections.OrderedDict() if isinstance(x, collections.OrderedDict) else {}
             for k, v in x.items():
-                out[k] = rec(v, rr.get(k))
+                out[k] = self.rec(v, rr.get(k))
             if hasattr(x, "_metadata"):  # nn.Module.state_dict carries version metadata
                 out = collections.OrderedDict(out)
                 out._metadata = copy.deepcopy(x._metadata)  # type: ignore[attr-defined]
@@ -236,42 +260,45 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
                 # numbers only (Python's RNG state is a tuple of 625 ints): no walk, no deepcopy
                 return x if isinstance(x, tuple) else list(x)
             rr = r if isinstance(r, (list, tuple)) and len(r) == len(x) else [None] * len(x)
-            items = [rec(v, rv) for v, rv in zip(x, rr)]
+            items = [self.rec(v, rv) for v, rv in zip(x, rr)]
             if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
                 return type(x)(*items)
             return type(x)(items)
         return copy.deepcopy(x)
 
-    host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    out = rec(tree, reuse)
-    if host_copies:
+    def copy_host(self) -> None:
+        if not self.host_copies:
+            return
         by_dtype: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = collections.defaultdict(lambda: ([], []))
-        for dst, src in host_copies:
+        for dst, src in self.host_copies:
             d, s_ = by_dtype[(src.device, src.dtype)]
             d.append(dst)
             s_.append(src)
         with torch.no_grad():  # sources may be parameters: a copy is not part of any graph
             for d, s_ in by_dtype.values():
                 torch._foreach_copy_(d, s_)
-    events = [record_event(d) for d in main_devices]  # recorded on each device's compute stream
-    by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
-    for t in side:
-        by_device[t.device].append(t)
-    device_flags: list[tuple[torch.device, torch.Tensor]] = []  # computed beside the copies
-    for device in set(side_copies) | ({d for d in by_device if d.type == "cuda"} if check_finite else set()):
-        stream = _side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the copies read the state as of now
-        with torch.cuda.stream(stream):
-            for dst, src in side_copies.get(device, ()):
-                dst.copy_(src, non_blocking=True)  # src: live parameters / state, never freed meanwhile
-            flag = nonfinite_flag(by_device[device]) if check_finite else None
-            if flag is not None:
-                device_flags.append((device, flag))
-            event = record_event(device)  # on the side stream (current inside this block)
-        events.append(event)
-        _FENCES.append((device, event))
-    flags: list[torch.Tensor] = []
-    if check_finite:
+
+    def side_stream_copies(self, events: list[Any], check_finite: bool, agree: bool) -> tuple[list[Any], list[torch.Tensor]]:
+        """The optimizer's tensors: copied on each device's side stream, with the finiteness flag
+        computed beside the copy; returns the events to wait for and the flags to read."""
+        by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
+        for t in self.side:
+            by_device[t.device].append(t)
+        device_flags: list[tuple[torch.device, torch.Tensor]] = []  # computed beside the copies
+        for device in set(self.side_copies) | ({d for d in by_device if d.type == "cuda"} if check_finite else set()):
+            stream = _side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the copies read the state as of now
+            with torch.cuda.stream(stream):
+                for dst, src in self.side_copies.get(device, ()):
+                    dst.copy_(src, non_blocking=True)  # src: live parameters / state, never freed meanwhile
+                flag = nonfinite_flag(by_device[device]) if check_finite else None
+                if flag is not None:
+                    device_flags.append((device, flag))
+                event = record_event(device)  # on the side stream (current inside this block)
+            events.append(event)
+            _FENCES.append((device, event))
+        if not check_finite:
+            return events, []
         for device, ts in by_device.items():
             if device.type != "cuda":
                 flag = nonfinite_flag(ts)  # computed right here: the host has its value already
@@ -279,20 +306,18 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
                     device_flags.append((device, flag))
         if agree:
             flags, flag_events = _agreed_flag(device_flags)
-            events += flag_events
-        else:
-            for device, flag in device_flags:
-                if device.type != "cuda":
-                    flags.append(flag)
-                    continue
-                stream = _side_stream(device)
-                flags.append(_host_flag(flag, stream))
-                with torch.cuda.stream(stream):
-                    # finite() reads the flag once the events have completed: this one follows its copy
-                    events.append(record_event(device))
-    host = HostCopy(out, events, flags=flags, owned=owned_host)
-    host.checked = check_finite
-    return host
+            return events + flag_events, flags
+        flags = []
+        for device, flag in device_flags:
+            if device.type != "cuda":
+                flags.append(flag)
+                continue
+            stream = _side_stream(device)
+            flags.append(_host_flag(flag, stream))
+            with torch.cuda.stream(stream):
+                # finite() reads the flag once the events have completed: this one follows its copy
+                events.append(record_event(device))
+        return events, flags
 
 
 def _host_flag(flag: torch.Tensor, stream: Any) -> torch.Tensor:
@@ -362,14 +387,7 @@ def clone_tree(tree: Any) -> Any:
 
 def state_bytes(tree: Any) -> int:
     """Bytes held by the tensors of a state tree (for reports; this rank's shards only)."""
-    if isinstance(tree, torch.Tensor):
-        t = local(tree)
-        return t.numel() * t.element_size()
-    if isinstance(tree, dict):
-        return sum(state_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(state_bytes(v) for v in tree)
-    return 0
+    return sum(local(t).numel() * local(t).element_size() for _, t in leaves(tree))
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,10 +488,10 @@ def decode_safe(tree: Any) -> Any:
 def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Put ``sd`` (an ``optimizer.state_dict()`` copy) back into ``optimizer``.
 
-    When the saved state has the same structure as the live one, tensors are copied in place:
-    no second copy of the optimizer state is allocated on the device (a full-size allocation
-    at the worst moment) and references others hold to the state tensors stay valid. Otherwise
-    ``load_state_dict`` on a clone.
+    When the saved state has the same structure as the live one (nested state included), tensors
+    are copied in place: no second copy of the optimizer state is allocated on the device (a
+    full-size allocation at the worst moment) and references others hold to the state tensors
+    stay valid. Otherwise ``load_state_dict`` on a clone.
     """
     fence_copies()  # a snapshot copy still reading these tensors must finish first
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -481,32 +499,18 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
     saved_state = sd.get("state", {})
     same = len(saved_groups) == len(optimizer.param_groups) and all(
         len(sg["params"]) == len(g["params"]) for sg, g in zip(saved_groups, optimizer.param_groups)
-    )
-    if same:
-        for i, p in enumerate(params):
-            live = optimizer.state.get(p, {})
-            saved = saved_state.get(i, {})
-            if set(live) != set(saved):
-                same = False
-                break
-            for k, v in saved.items():
-                lv = live[k]
-                if isinstance(v, torch.Tensor) != isinstance(lv, torch.Tensor):
-                    same = False
-                elif isinstance(v, torch.Tensor) and not _same_layout(v, lv):
-                    same = False
-            if not same:
-                break
+    ) and all(_fits(optimizer.state.get(p, {}), saved_state.get(i, {})) for i, p in enumerate(params))
     if not same:
         optimizer.load_state_dict(clone_tree(sd))
         return
     with torch.no_grad():
         for i, p in enumerate(params):
             live = optimizer.state[p]
-            for k, v in saved_state.get(i, {}).items():
-                if isinstance(v, torch.Tensor):
-                    local(live[k]).copy_(local(v))  # sharded state: this rank's shard, in place
-                else:
+            saved = saved_state.get(i, {})
+            for path, v in leaves(saved):
+                local(at(live, path)).copy_(local(v))  # sharded state: this rank's shard, in place
+            for k, v in saved.items():  # top-level values that are not tensors (counters, flags)
+                if not isinstance(v, (torch.Tensor, dict, list, tuple)):
                     live[k] = copy.deepcopy(v)
     for g, sg in zip(optimizer.param_groups, saved_groups):
         for k, v in sg.items():
@@ -517,6 +521,31 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
                 cur.copy_(v)  # tensor lr: keep the object (compiled / capturable steps hold it)
             else:
                 g[k] = copy.deepcopy(v)
+
+
+def _fits(live: Any, saved: Any) -> bool:
+    """``saved`` can be copied into ``live`` in place: the same nesting, each tensor of the same
+    layout, and nested non-tensor values equal (only top-level ones are set back)."""
+    if not same_structure(live, saved):
+        return False
+    for path, v in leaves(saved):
+        if not _same_layout(v, at(live, path)):
+            return False
+    return all(_plain_equal(live[k], v) for k, v in saved.items() if isinstance(v, (dict, list, tuple)))
+
+
+def _plain_equal(a: Any, b: Any) -> bool:
+    """The non-tensor leaves of two trees of the same structure are equal."""
+    if isinstance(a, torch.Tensor):
+        return True
+    if isinstance(a, dict):
+        return all(_plain_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return all(_plain_equal(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object without a plain equality: not restorable in place
+        return False
 
 
 def _same_layout(saved: torch.Tensor, live: torch.Tensor) -> bool:
@@ -543,8 +572,21 @@ def restore_model(model: torch.nn.Module, sd: dict[str, Any]) -> None:
             for k, v in live.items():
                 local(v).copy_(local(sd[k]))
         return
+    # frozen weights a snapshot kept by reference (FrozenRefs) are the live tensors themselves
+    alias = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and k in live and _aliases(v, live[k])]
+    if alias and set(live) == set(sd):
+        rest = collections.OrderedDict((k, v) for k, v in sd.items() if k not in alias)
+        if hasattr(sd, "_metadata"):
+            rest._metadata = sd._metadata  # type: ignore[attr-defined]
+        model.load_state_dict(rest, strict=False)
+        return
     # load_state_dict copies into the existing parameters (no aliasing of the snapshot)
     model.load_state_dict(sd, strict=True)
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = local(a), local(b)
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.numel() > 0
 
 
 def call_state_dict(obj: Any, what: str) -> Any:

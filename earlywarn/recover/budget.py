@@ -12,6 +12,7 @@ import torch
 
 from ..events import Level
 from ._state import local, state_bytes
+from .frozen import frozen_bytes, frozen_refs
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -77,7 +78,8 @@ _STATE_PER_PARAM = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, 
 def estimate_snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of one snapshot: the model's state_dict plus the optimizer's state (measured when
     it exists; estimated from the optimizer's kind before its first step) plus the RNG states."""
-    model_bytes = state_bytes(model.state_dict()) + torch.get_rng_state().numel()
+    # frozen parameters are referenced, not copied (frozen.py): a LoRA base costs nothing here
+    model_bytes = state_bytes(model.state_dict()) - frozen_bytes(model) + torch.get_rng_state().numel()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         model_bytes += sum(s.numel() for s in torch.cuda.get_rng_state_all())
     if optimizer.state:
@@ -125,6 +127,7 @@ def plan_snapshots(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
     """Fit ``cfg.snapshot_keep`` clean snapshots (+ one warning copy) into the host-RAM budget
     (``cfg.snapshot_memory``; default a quarter of the memory available, shared by this node's
     processes) and say so in one sentence."""
+    frozen_refs(model, optimizer)  # which frozen weights stay unwritten is counted from now (frozen.py)
     size = estimate_snapshot_bytes(model, optimizer)
     avail = available_memory()
     if cfg.snapshot_memory is None:
@@ -153,8 +156,10 @@ def plan_snapshots(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
             level = Level.WARNING
     lost = cfg.max_lost_steps if cfg.snapshot_every is None else 2 * cfg.every
     budget_txt = f"budget {fmt_bytes(budget)}: {how}" if budget is not None else how
+    frozen = frozen_bytes(model)
+    frozen_txt = f"; frozen weights ({fmt_bytes(frozen)}) are not copied" if frozen else ""
     message = (f"in-memory snapshots every {cfg.every} steps ({cfg.every_building} while an episode builds), so a "
                f"rewind loses about {lost} steps at most: {clean} clean{' + 1 warning copy' if unclean else ''} of "
                f"~{fmt_bytes(size)} each, up to {fmt_bytes((clean + unclean) * size)} of host RAM ({budget_txt})"
-               f"{keep_msg}")
+               f"{frozen_txt}{keep_msg}")
     return SnapshotPlan(size, budget, clean, unclean, message, level)

@@ -70,6 +70,15 @@ class RecoveryConfig:
     steps before it; info spikes that recovered and bad batches that were skipped do not count.
     The steps after a repair or a rewind are unclean for this long too, and a rewind has *held*
     once the run trained this many steps past its incident."""
+    state_check_every: int | None = None
+    """Every this many steps the optimizer's state is checked on the device (one fused norm over
+    it, read with the step's statistics: no extra host read), and a poisoned moment is repaired
+    before the update that would read it. ``None``: every step for an optimizer from outside
+    ``torch.optim`` (its update may hide a NaN moment: Lion's ``sign(NaN) = 0`` freezes those
+    coordinates and no NaN ever reaches the weights, the gradients or the loss), every 10 steps
+    for ``torch.optim``'s own, whose NaN moment reaches the weights at the next update, where the
+    loss and the gradients show it (the check costs about twice the guard's gradient-norm pass,
+    ``docs/benchmarks.md``). 0: only the snapshots' finiteness pass."""
     repair: bool = True
     """Repair poisoned optimizer state (non-finite moments) in place."""
     repair_reset_state: bool = True
@@ -126,6 +135,8 @@ class RecoveryConfig:
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        if self.state_check_every is not None and (not is_int(self.state_check_every) or self.state_check_every < 0):
+            raise bad("state_check_every", "must be None (chosen by the optimizer), or an int >= 0 (0: never)")
         for name in ("checkpoint_every", "clean_window", "max_rewinds_per_episode", "recurrence_lr_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "must be an int >= 0")

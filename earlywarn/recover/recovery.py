@@ -351,6 +351,10 @@ class Recovery:
         and :class:`~earlywarn.recover.lrceiling.LrCeiling`)."""
         return self.lr_ceiling.wrap_step(self.recurrence.wrap_step(step_fn))
 
+    def lr_at(self, step: int) -> float | None:
+        """The learning rate recorded at training step ``step`` (the largest over param groups)."""
+        return self.recurrence.lr_at(step)
+
     def hold_lr(self, ceiling: float) -> None:
         """Step at no more than ``ceiling`` while the loop's learning rate stays above it."""
         self.lr_ceiling.hold(ceiling)

@@ -4,8 +4,10 @@ and the lowered learning rate (``RecoveryConfig.on_recurrence``).
 An *episode* opens with a rewind and closes once the run has trained ``clean_window`` steps past
 its latest incident without another (the rewind *held*). An incident while it is open is a
 recurrence: on new batches (no rewind replays any), so the batches are not to blame -- likely the
-learning rate or another hyperparameter. The learning rate of param group 0 is recorded every step
-(a float read; a tensor learning rate is read only for a diagnosis) so the diagnosis can show its
+learning rate or another hyperparameter. The learning rate -- the largest over the param groups, the
+detector's rule (``capture.updates.learning_rate``): a frozen group's 0 never hides the one that
+trains -- is recorded every step (a float read; a tensor learning rate on an accelerator is read
+only for a diagnosis) so the diagnosis can show its
 trend: at the first rewind's target, at the first incident, now -- and whether the loop's own
 schedule went back with the rewind.
 
@@ -23,8 +25,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .lrceiling import scaled_step
+from earlywarn.capture.updates import learning_rate
 
+from .lrceiling import scaled_step
 from .window import CleanWindow
 
 
@@ -91,7 +94,7 @@ class Recurrence:
         self.window = window
         self.run_step = run_step
         self.episode: Episode | None = None
-        self._lr: deque[tuple[int, float | None]] = deque(maxlen=history)  # (step, lr of group 0)
+        self._lr: deque[tuple[int, float | None]] = deque(maxlen=history)  # (step, largest lr)
         self._cut: list[float] | None = None  # [factor, steps left]
         self._log: deque[tuple[int, int, str]] = deque(maxlen=8)  # (incident, restored, reason) on the run's clock
 
@@ -104,9 +107,7 @@ class Recurrence:
     def after_step(self, step: int, *, clean: bool) -> bool:
         """Record the step's learning rate, count the lowered one down, close the episode once
         it held. Returns True when the lowered learning rate just ended."""
-        groups = self.optimizer.param_groups
-        lr = groups[0].get("lr") if groups else None
-        self._lr.append((step, float(lr) if isinstance(lr, (int, float)) else None))
+        self._lr.append((step, learning_rate(self.optimizer)))
         ended = False
         if self._cut is not None:
             self._cut[1] -= 1
@@ -117,12 +118,12 @@ class Recurrence:
             self.episode = None  # trained past the incident: the rewind held
         return ended
 
+    def lr_at(self, step: int) -> float | None:
+        """The learning rate recorded at ``step`` (None when it is no longer in the history)."""
+        return next((lr for s, lr in reversed(self._lr) if s == step), None)
+
     def live_lr(self) -> float | None:
-        groups = self.optimizer.param_groups
-        lr = groups[0].get("lr") if groups else None
-        if isinstance(lr, torch.Tensor):
-            return float(lr.detach().reshape(-1)[0])  # rare path: a host read is fine here
-        return float(lr) if isinstance(lr, (int, float)) else None
+        return learning_rate(self.optimizer, read_device=True)  # rare path: a host read is fine here
 
     # -- rewinds ---------------------------------------------------------------------------------
     def rewound(self, step: int, target: int, reason: str, quarantined: list[str],
@@ -151,16 +152,16 @@ class Recurrence:
         return ep
 
     def lr_trend(self, step: int) -> str:
-        """'learning rate (param group 0): 0.001 at step 125 (restored) -> 0.0024 at step 152
+        """'learning rate (largest over param groups): 0.001 at step 125 (restored) -> 0.0024 at step 152
         (first incident) -> 0.0025 at step 160 (now), rising' for the open episode."""
         ep = self.episode
         now = self.live_lr()
         run = self.run_step(step)
         if ep is None:
-            return f"learning rate (param group 0): {_fmt_lr(now)} at step {run}"
+            return f"learning rate (largest over param groups): {_fmt_lr(now)} at step {run}"
         at_target = ep.lr_path.get(ep.first_target)
         at_first = ep.lr_path.get(ep.first_incident)
-        text = (f"learning rate (param group 0): {_fmt_lr(at_target)} at step {ep.run('first_target')} (restored) -> "
+        text = (f"learning rate (largest over param groups): {_fmt_lr(at_target)} at step {ep.run('first_target')} (restored) -> "
                 f"{_fmt_lr(at_first)} at step {ep.run('first_incident')} (first incident) -> {_fmt_lr(now)} at step "
                 f"{run} (now)")
         if self._cut is not None:

@@ -25,403 +25,61 @@ parameters and buffers                                      given, else left as 
                                                             reported unrepaired
 ==========================================================  =================================
 
+State nested to any depth (heavyball: ``state[p][0]["update_by_adam_exp_avg_sq_0"]``, lists of
+preconditioner factors) is scanned and repaired tensor by tensor; a tensor's rule comes from its
+innermost key, by name or by the moment it names (``..._exp_avg_sq_...``: a second moment,
+``..._exp_avg_...`` / ``...momentum...``: a first one); anything else is copied from the snapshot.
+
 With a snapshot (the last clean in-memory copy), parameter and buffer coordinates are copied back
 from it, and with ``reset_state=False`` the optimizer state coordinates too. Repairing
 parameters coordinate-wise is only done while the poisoned share of all parameter elements stays
 below ``max_param_fraction``; beyond that the report asks for a rewind.
 
-What "poisoned" means depends on who writes the tensor (:func:`scan_state`):
-
-* parameters the optimizer updates, and every optimizer state tensor: any NaN/Inf is poison;
-* parameters the optimizer never writes (frozen: ``requires_grad=False`` or in no param group):
-  their values belong to the model, never poison;
-* buffers (written by the forward pass, e.g. BatchNorm statistics, or constant, e.g. a float
-  causal mask with ``-inf`` above the diagonal, ``-inf`` padding biases): a NaN/Inf is poison only
-  where the last known-good copy of that buffer was finite (:class:`FiniteBaseline`: taken at
-  ``watch()``, refreshed at every clean snapshot). A buffer the baseline has not seen yet (created
-  later, or re-created with another shape) is taken as it is until the next refresh.
-  Integer and bool buffers are never scanned.
-
-Under torch.distributed (world size > 1) scans and repairs read and write each rank's *local
-shards* of sharded state (FSDP2 / tensor parallel DTensors; plain tensors as they are), and the
-numbers a decision depends on are agreed over all ranks in a few small all-reduces (never one per
-tensor, never a full-tensor gather): the scan's per-tensor counts (one SUM), the repair's per-tensor
-counts and snapshot checks (one SUM) and its "largest finite value"s (one MAX, only when a second
-moment needs one). So every rank gets the same :class:`StateScan` and :class:`RepairReport`, and
-writes the same values into its shards. Every rank must therefore call these functions together,
-in the same order, on the same model and optimizer structure -- the watcher does: its decisions
-are identical on every rank. A replicated tensor (DDP, a ``Replicate`` placement) is counted once
-per element (the sum is divided by the ranks holding a copy, a disagreement rounded up); where only
-one replica is poisoned, only that rank's copy is reset.
+Which values are poisoned, and how scans agree under torch.distributed: :mod:`earlywarn.recover.scan`
+(every rank must call these functions together, in the same order, on the same structure).
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from earlywarn.capture.gradstats import _copy_weight
-
-from ._state import is_dtensor, local
+from ._state import local
+from ._tree import at, leaf_name, leaves, path_name
+from .scan import (  # noqa: F401 - re-exported: the scan's types are part of this module's API
+    FiniteBaseline,
+    Flag,
+    StateScan,
+    _Agree,
+    _checkable,
+    _finite_abs_max,
+    _same_shape,
+    scan_state,
+)
 
 ZERO_KEYS = frozenset({"exp_avg", "momentum_buffer", "grad_avg", "prev"})
 SECOND_MOMENT_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
+# other libraries name the same moments inside longer keys (heavyball: "update_by_adam_exp_avg_sq_0")
+_SECOND_WORDS = ("exp_avg_sq", "square_avg", "exp_inf", "acc_delta")
+_ZERO_WORDS = ("exp_avg", "momentum")
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One tensor holding non-finite values. ``key`` is ``None`` for the parameter itself,
-    ``"buffer"`` for a module buffer, else the optimizer state key."""
-
-    name: str
-    key: str | None
-    nonfinite: int
-    numel: int
-
-    @property
-    def where(self) -> str:
-        return self.name if self.key is None else f"{self.name}[{self.key}]"
-
-
-@dataclass
-class StateScan:
-    """Result of :func:`scan_state`: the tensors with non-finite values, in model order."""
-
-    flags: list[Flag]
-    tensors_checked: int
-    _refs: dict[tuple[str, str | None], tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
-    _param_numel: int = field(default=0, repr=False)
-    owned: list[Flag] = field(default_factory=list)
-    """Tensors holding non-finite values that belong to the model (not poison): a ``-inf`` mask
-    buffer, a frozen parameter. Counted only with a baseline (see :func:`scan_state`)."""
-    _legit: dict[tuple[str, str | None], torch.Tensor] = field(default_factory=dict, repr=False)
-
-    @property
-    def clean(self) -> bool:
-        return not self.flags
-
-    @property
-    def params(self) -> list[Flag]:
-        return [f for f in self.flags if f.key is None]
-
-    @property
-    def buffers(self) -> list[Flag]:
-        return [f for f in self.flags if f.key == "buffer"]
-
-    @property
-    def state(self) -> list[Flag]:
-        return [f for f in self.flags if f.key not in (None, "buffer")]
-
-    @property
-    def params_poisoned(self) -> bool:
-        """A parameter or buffer holds a non-finite value (repair needs a snapshot, or rewind)."""
-        return bool(self.params or self.buffers)
-
-    @property
-    def weights_poisoned(self) -> bool:
-        """A parameter the optimizer updates holds a non-finite value (buffers aside)."""
-        return bool(self.params)
-
-    @property
-    def state_poisoned(self) -> bool:
-        """Optimizer state holds a non-finite value (repairable in place)."""
-        return bool(self.state)
-
-    @property
-    def first_layer(self) -> str | None:
-        """The first parameter (model order) with a non-finite value in itself or its state."""
-        return self.flags[0].name if self.flags else None
-
-    def summary(self) -> str:
-        if self.clean:
-            own = f" (the model's own non-finite values are not poison: {_list(self.owned)})" if self.owned else ""
-            return f"all {self.tensors_checked} tensors finite{own}"
-        return "non-finite values in " + _list(self.flags)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "tensors_checked": self.tensors_checked,
-            "flags": [{"name": f.name, "key": f.key, "nonfinite": f.nonfinite, "numel": f.numel} for f in self.flags],
-        }
-
-
-def _list(flags: list[Flag]) -> str:
-    parts = [f"{f.where}: {f.nonfinite}/{f.numel}" for f in flags[:6]]
-    return ", ".join(parts) + (f" (+{len(flags) - 6} more)" if len(flags) > 6 else "")
-
-
-def _written_by(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module | None) -> set[int]:
-    """ids of the parameters the optimizer updates (in a param group and requiring grad;
-    without an optimizer: every parameter that requires grad)."""
-    if optimizer is None:
-        return {id(p) for p in model.parameters() if p.requires_grad} if model is not None else set()
-    return {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-
-
-class FiniteBaseline:
-    """The non-finite values that belong to the model: per buffer, where it was non-finite when
-    last known good (at ``watch()``, at every clean snapshot). Only buffers that hold a NaN/Inf
-    keep a mask (on their device; a causal mask's is the size of the mask); finite ones keep
-    their shape. ``copies``: host copies of the floating buffers at capture time, to repair a
-    buffer poisoned before the first snapshot exists."""
-
-    def __init__(self) -> None:
-        self._known: dict[str, tuple[tuple[int, ...], torch.dtype, torch.Tensor | None]] = {}
-        self.copies: dict[str, torch.Tensor] = {}
-
-    @classmethod
-    def capture(cls, model: torch.nn.Module | None, *, copies: bool = True) -> "FiniteBaseline":
-        base = cls()
-        base.refresh(model, copies=copies)
-        return base
-
-    def refresh(self, model: torch.nn.Module | None, *, copies: bool = False) -> None:
-        """Record every floating buffer that is new or changed shape (one host read for all of
-        them; nothing when nothing changed). A buffer already known keeps its mask: its
-        non-finite coordinates do not move unless something poisoned it."""
-        if model is None:
-            return
-        todo: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for name, b in model.named_buffers(remove_duplicate=True):
-                if not _checkable(b):
-                    continue
-                lb = local(b)
-                known = self._known.get(name)
-                if known is None or known[0] != tuple(lb.shape) or known[1] != lb.dtype:
-                    todo.append((name, lb, torch.isfinite(lb).logical_not_()))
-                if copies:
-                    self.copies[name] = lb.detach().to("cpu", copy=True)
-            if not todo:
-                return
-            bad = torch.stack([m.sum().to(todo[0][2].device) for _, _, m in todo]).tolist()  # the one host read
-        for (name, lb, mask), n in zip(todo, bad):
-            self._known[name] = (tuple(lb.shape), lb.dtype, mask if n else None)
-
-    def legit(self, name: str, t: torch.Tensor) -> torch.Tensor | None | bool:
-        """The buffer's own non-finite coordinates: a mask, ``None`` (it was all finite) or
-        ``True`` (not seen yet with this shape: all of its values are taken as the model's)."""
-        known = self._known.get(name)
-        lt = local(t)
-        if known is None or known[0] != tuple(lt.shape) or known[1] != lt.dtype:
-            return True
-        return known[2]
-
-
-def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
-    names: dict[int, str] = {}
-    if model is not None:
-        for n, p in model.named_parameters(remove_duplicate=True):
-            names.setdefault(id(p), n)
-    if optimizer is not None:
-        for gi, g in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(g["params"]):
-                names.setdefault(id(p), f"param_groups[{gi}].params[{pi}]")
-    return names
-
-
-def _checkable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
-
-
-def _same_shape(v: torch.Tensor, p: torch.Tensor) -> bool:
-    """``v`` covers the same coordinates as ``p``, shard for shard (so masks can be shared)."""
-    return v.shape == p.shape and local(v).shape == local(p).shape and is_dtensor(v) == is_dtensor(p)
-
-
-class _Agree:
-    """Numbers every rank must agree on (rare path). In one process: the local values. Under
-    torch.distributed with world size > 1: one all-reduce per call, on the state's device (the
-    backend's device: NCCL needs CUDA tensors). A call with no values issues nothing; callers
-    only make such calls from numbers that are already agreed, so every rank skips it alike."""
-
-    def __init__(self) -> None:
-        d = torch.distributed
-        self.world = d.get_world_size() if d.is_available() and d.is_initialized() else 1
-
-    def holders(self, t: torch.Tensor) -> int:
-        """Ranks holding a copy of each element of ``t`` (1 for a shard, the world for DDP state)."""
-        return 1 if self.world == 1 else round(1.0 / _copy_weight(t, self.world))
-
-    def sum(self, values: list[torch.Tensor | int], device: torch.device) -> list[int]:
-        if not values:
-            return []
-        vec = torch.stack([torch.as_tensor(v).to(device, torch.int64) for v in values])
-        if self.world > 1:
-            torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
-        return [int(v) for v in vec.tolist()]  # one host read
-
-    def max(self, values: list[torch.Tensor], device: torch.device) -> list[float]:
-        if not values:
-            return []
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        vec = torch.stack([v.to(device, dtype) for v in values])
-        if self.world > 1:
-            torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.MAX)
-        return [float(v) for v in vec.tolist()]
-
-
-def _finite_abs_max(t: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
-    """Largest ``|t|`` over the finite elements (and ``where``), as a device scalar; ``-inf``
-    when there is none (an empty local shard included)."""
-    a = t.abs()
-    none = torch.full((), -math.inf, dtype=a.dtype, device=a.device)
-    if t.numel() == 0:
-        return none
-    ok = torch.isfinite(t) if where is None else torch.isfinite(t) & where
-    return torch.where(ok, a, none).amax()
-
-
-def scan_state(
-    model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    baseline: FiniteBaseline | None = None,
-) -> StateScan:
-    """Which parameters, floating buffers and optimizer state tensors hold poisoned (NaN/Inf)
-    values, and how many.
-
-    With a ``baseline`` the per-tensor rules of the module docstring apply: non-finite values in
-    frozen parameters and the baseline's own non-finite buffer coordinates belong to the model
-    (``StateScan.owned``), not to ``flags``. Without one every NaN/Inf counts.
-
-    One host read per device: per-tensor counts are computed and stacked on the device, then read
-    with a single ``tolist()``. Meant for the rare path (after an alert), not every step.
-
-    Sharded tensors (DTensors) are counted on this rank's local shards. Under torch.distributed
-    (world size > 1) the counts go through one SUM all-reduce, so every rank returns the same scan
-    with global counts (``Flag.numel`` is the global size): every rank must call it together (see
-    the module docstring).
-    """
-    names = _param_names(model, optimizer)
-    written = _written_by(optimizer, model) if baseline is not None else None
-    entries: list[tuple[str, str | None, Any, torch.Tensor]] = []
-    legit: dict[int, torch.Tensor | bool] = {}  # entry index -> the model's own non-finite values
-    seen: set[int] = set()
-    params: list[torch.Tensor] = []
-    if model is not None:
-        for n, p in model.named_parameters(remove_duplicate=True):
-            params.append(p)
-    if optimizer is not None:
-        params += [p for g in optimizer.param_groups for p in g["params"]]
-    param_numel = 0
-    for p in params:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        name = names[id(p)]
-        if _checkable(p):
-            if written is not None and id(p) not in written:
-                legit[len(entries)] = True  # the optimizer never writes it: the model's own values
-            entries.append((name, None, p, p))
-            param_numel += p.numel()
-        if optimizer is not None:
-            for k, v in optimizer.state.get(p, {}).items():
-                if _checkable(v):
-                    entries.append((name, str(k), p, v))
-    if model is not None:
-        for n, b in model.named_buffers(remove_duplicate=True):
-            if _checkable(b):
-                if baseline is not None:
-                    own = baseline.legit(n, b)
-                    if own is not None:
-                        legit[len(entries)] = own
-                entries.append((n, "buffer", b, b))
-    # Two passes, both on the device. First one fused L2 norm per tensor (torch._foreach_norm,
-    # the cheapest read there is): NaN and Inf propagate into it, so a finite norm means a finite
-    # tensor. Only tensors whose norm is not finite (poisoned, or huge finite values whose square
-    # overflowed) get the exact element count; so do the buffers with values of their own, always.
-    agree = _Agree()
-    with torch.no_grad():
-        plain = [i for i in range(len(entries)) if i not in legit]
-        exact = [i for i in range(len(entries)) if i in legit]
-        first = _norms_bad([local(entries[i][3]) for i in plain]) + [_counts(local(entries[i][3]), legit[i]) for i in exact]
-        got = _read(agree, first, entries)
-        suspect = [i for i, bad in zip(plain, got[: len(plain)]) if bad]
-        counts: dict[int, tuple[int, int]] = {}
-        for k, i in enumerate(exact):
-            counts[i] = got[len(plain) + k]
-        if suspect:  # rare: the exact counts, in one more read (every rank took this branch alike)
-            for i, c in zip(suspect, _read(agree, [_counts(local(entries[i][3]), None) for i in suspect], entries)):
-                counts[i] = c
-    for i, (_, _, _, t) in enumerate(entries):
-        if agree.world > 1 and i in counts:  # a replicated element was counted by each of its holders
-            h = agree.holders(t)
-            counts[i] = (-(-counts[i][0] // h), -(-counts[i][1] // h))
-    flags, owned, refs, legit_masks = [], [], {}, {}
-    for i, (name, key, p, t) in enumerate(entries):
-        refs[(name, key)] = (p, t)
-        bad, own = counts.get(i, (0, 0))
-        if bad:
-            flags.append(Flag(name, key, bad, t.numel()))
-        if own:
-            owned.append(Flag(name, key, own, t.numel()))
-        if isinstance(legit.get(i), torch.Tensor):
-            legit_masks[(name, key)] = legit[i]
-    return StateScan(flags, len(entries), refs, param_numel, owned, legit_masks)
-
-
-def _norms_bad(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per tensor, 1 when its L2 norm is not finite (fused per device and dtype), else 0."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for k, t in enumerate(tensors):
-        groups[(t.device, t.dtype)].append(k)
-    for (_, dtype), idx in groups.items():
-        group = [tensors[k] for k in idx]
-        if dtype.is_complex:
-            norms = [torch.linalg.vector_norm(t) for t in group]
-        else:
-            norms = torch._foreach_norm(group)
-        for k, n in zip(idx, norms):
-            out[k] = torch.isfinite(n).logical_not_().to(torch.int64)
-    return out  # type: ignore[return-value]
-
-
-def _counts(t: torch.Tensor, own: torch.Tensor | bool | None) -> torch.Tensor:
-    """[poisoned, the model's own] non-finite elements of ``t``, as a device vector of 2."""
-    bad = torch.isfinite(t).logical_not_()
-    if own is None:
-        return torch.stack([bad.sum(), torch.zeros((), dtype=torch.int64, device=t.device)])
-    if own is True:  # all of it is the model's: poison nowhere, owned everywhere
-        return torch.stack([torch.zeros((), dtype=torch.int64, device=t.device), bad.sum()])
-    return torch.stack([(bad & ~own).sum(), (bad & own).sum()])
-
-
-def _read(agree: "_Agree", values: list[torch.Tensor], entries: list[Any]) -> list[Any]:
-    """Move ``values`` (device scalars, or vectors of 2) to the host in one read per device --
-    under torch.distributed one SUM all-reduce of them all instead. Scalars come back as ints,
-    vectors as (int, int)."""
-    if not values:
-        return []
-    flat = [v.reshape(-1) for v in values]
-    sizes = [f.numel() for f in flat]
-    if agree.world > 1:  # one SUM all-reduce on the state's device (NCCL needs CUDA tensors)
-        device = local(entries[0][3]).device
-        vec = torch.cat([f.to(device, torch.int64) for f in flat])
-        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
-        host = vec.tolist()
-    else:
-        host = [0] * sum(sizes)
-        offsets = [sum(sizes[:k]) for k in range(len(flat))]
-        by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for k, f in enumerate(flat):
-            by_device[f.device].append(k)
-        for idx in by_device.values():
-            got = torch.cat([flat[k] for k in idx]).tolist()  # the one host read per device
-            at = 0
-            for k in idx:
-                host[offsets[k]:offsets[k] + sizes[k]] = got[at:at + sizes[k]]
-                at += sizes[k]
-    out, at = [], 0
-    for n in sizes:
-        chunk = [int(x) for x in host[at:at + n]]
-        out.append(chunk[0] if n == 1 else tuple(chunk))
-        at += n
-    return out
+def reset_rule(path: tuple) -> str | None:
+    """``"zero"`` (a first moment), ``"second"`` (a second moment) or None (no rule: the snapshot's
+    value) for the state tensor at ``path`` (its innermost key names it; nested state included)."""
+    name = leaf_name(path)
+    if name in SECOND_MOMENT_KEYS:
+        return "second"
+    if name in ZERO_KEYS:
+        return "zero"
+    if any(w in name for w in _SECOND_WORDS):
+        return "second"
+    if any(w in name for w in _ZERO_WORDS):
+        return "zero"
+    return None
 
 
 @dataclass(frozen=True)
@@ -503,6 +161,10 @@ def _snapshot_trees(snapshot: Any) -> tuple[Mapping[str, Any] | None, Mapping[st
     return state.get("model"), state.get("optimizer")
 
 
+def _snap_tensor(t: Any) -> torch.Tensor | None:
+    return local(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it
+
+
 def repair_optimizer_state(
     optimizer: torch.optim.Optimizer,
     scan: StateScan,
@@ -531,25 +193,34 @@ def repair_optimizer_state(
         baseline: the :class:`FiniteBaseline` the scan used (the verifying scan uses it too).
     """
     snap_model, snap_opt = _snapshot_trees(snapshot)
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    agree = _Agree()
+    # 1. plan on the local shards; every number a decision depends on goes into `counts`, agreed
+    # by one SUM over ranks (parameters in model order: every rank builds the same list)
+    plans, counts, device = _plan(optimizer, scan, snap_model, snap_opt, reset_state)
+    agreed = agree.sum(counts, device) if device is not None else []
+    # 2. the values a second moment is reset to: the largest finite one (one MAX over ranks)
+    values = _reset_values(optimizer, plans, agreed, agree, device)
+    # 3. write, each rank into its own shards
+    poisoned = sum(f.nonfinite for f in scan.params)
+    too_many = None if poisoned <= max_param_fraction * max(1, scan._param_numel) else (
+        f"{poisoned} poisoned parameter elements exceed max_param_fraction={max_param_fraction}")
     repaired: list[RepairAction] = []
     unrepaired: list[RepairAction] = []
-    poisoned_param_elems = sum(f.nonfinite for f in scan.params)
-    patch_params = poisoned_param_elems <= max_param_fraction * max(1, scan._param_numel)
-    agree = _Agree()
+    with torch.no_grad():
+        for plan in plans:
+            _write_param(plan, agreed, too_many, repaired, unrepaired)
+            _write_state(plan, values, repaired, unrepaired)
+        _write_buffers(scan, snap_model, repaired, unrepaired)
+    # verify: a second scan (rare path) so that `ok` is measured, not assumed
+    after = scan_state(model, optimizer, baseline) if not scan.clean else scan
+    return RepairReport(scan, repaired, unrepaired, after, step)
 
-    def from_snapshot(tree: Mapping[str, Any] | None, name_or_idx: Any, key: str | None) -> torch.Tensor | None:
-        if tree is None:
-            return None
-        if key is None or key == "buffer":
-            t = tree.get(name_or_idx)
-        else:
-            t = tree.get("state", {}).get(name_or_idx, {}).get(key)
-        return local(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it
 
-    # 1. plan on the local shards; nothing is written yet ---------------------------------------
-    # Every number a decision depends on goes into `counts` (agreed by one SUM over ranks); the
-    # parameters are visited in model order, so every rank builds the same list.
+def _plan(optimizer: torch.optim.Optimizer, scan: StateScan, snap_model: Any, snap_opt: Any,
+          reset_state: bool) -> tuple[list[dict[str, Any]], list[torch.Tensor | int], torch.device | None]:
+    """Per poisoned parameter: its mask (the union over it and its same-shaped state), where each
+    tensor would be repaired from, and the device counts the decisions need."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     counts: list[torch.Tensor | int] = []
     plans: list[dict[str, Any]] = []
     device: torch.device | None = None
@@ -557,46 +228,53 @@ def repair_optimizer_state(
         for name in dict.fromkeys(f.name for f in scan.flags):
             if (name, None) not in scan._refs:
                 continue
-            p, _ = scan._refs[(name, None)]
+            p, _, raw = scan._refs[(name, None)]
             pl = local(p)
-            if device is None:
-                device = pl.device
-            st = optimizer.state.get(p, {})
+            device = device if device is not None else pl.device
+            state = [(path, v) for path, v in leaves(optimizer.state.get(p, {})) if _checkable(v)]
             mask = ~torch.isfinite(pl)
-            for k, v in st.items():
-                if _checkable(v) and _same_shape(v, p):
+            for _, v in state:
+                if _same_shape(v, p):
                     mask |= ~torch.isfinite(local(v))
             pflag = next((f for f in scan.params if f.name == name), None)
-            psrc = from_snapshot(snap_model, name, None)
+            psrc = _snap_tensor(snap_model.get(raw)) if snap_model is not None else None
             psrc = psrc if psrc is not None and psrc.shape == pl.shape else None
-            plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc,
-                                    "at": len(counts), "keys": []}
+            plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc, "at": len(counts), "keys": []}
             counts.append(int(pflag is not None and psrc is None))  # no snapshot of the parameter
-            i = index.get(id(p))
-            for k, v in st.items():
-                if not _checkable(v):
-                    continue
-                k = str(k)
-                vl = local(v)
-                kmask = mask if _same_shape(v, p) else ~torch.isfinite(vl)
-                src = from_snapshot(snap_opt, i, k)
-                want_snap = src is not None and (not reset_state or k not in ZERO_KEYS | SECOND_MOMENT_KEYS)
-                if want_snap and src.shape == vl.shape:
-                    src = src.to(vl.device, vl.dtype)
-                    snap_bad: torch.Tensor | int = (~torch.isfinite(src) & kmask).sum()
-                else:
-                    src, snap_bad = None, int(want_snap)  # wanted but unusable: not from the snapshot
-                plan["keys"].append({"key": k, "v": v, "vl": vl, "kmask": kmask, "src": src,
-                                     "want_snap": want_snap, "at": len(counts),
-                                     "max": _finite_abs_max(vl, ~kmask) if k in SECOND_MOMENT_KEYS else None})
-                # poisoned coordinates, finite values left outside them, snapshot unusable there
-                counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if k in SECOND_MOMENT_KEYS else 0, snap_bad]
+            saved = snap_opt.get("state", {}).get(index.get(id(p)), {}) if snap_opt is not None else None
+            for path, v in state:
+                plan["keys"].append(_plan_tensor(path, v, mask if _same_shape(v, p) else None, saved,
+                                                 reset_state, counts))
             plans.append(plan)
-    agreed = agree.sum(counts, device) if device is not None else []
+    return plans, counts, device
 
-    # 2. the values a second moment is reset to: the largest finite one (one MAX over ranks) -----
+
+def _plan_tensor(path: tuple, v: torch.Tensor, mask: torch.Tensor | None, saved: Any, reset_state: bool,
+                 counts: list[torch.Tensor | int]) -> dict[str, Any]:
+    rule = reset_rule(path)
+    vl = local(v)
+    kmask = mask if mask is not None else ~torch.isfinite(vl)
+    src = _snap_tensor(at(saved, path)) if saved is not None else None
+    want_snap = src is not None and (not reset_state or rule is None)
+    if want_snap and src.shape == vl.shape:
+        src = src.to(vl.device, vl.dtype)
+        snap_bad: torch.Tensor | int = (~torch.isfinite(src) & kmask).sum()
+    else:
+        src, snap_bad = None, int(want_snap)  # wanted but unusable: not from the snapshot
+    entry = {"key": path_name(path), "path": path, "rule": rule, "v": v, "vl": vl, "kmask": kmask, "src": src,
+             "want_snap": want_snap, "at": len(counts),
+             "max": _finite_abs_max(vl, ~kmask) if rule == "second" else None}
+    # poisoned coordinates, finite values left outside them, snapshot unusable there
+    counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if rule == "second" else 0, snap_bad]
+    return entry
+
+
+def _reset_values(optimizer: torch.optim.Optimizer, plans: list[dict[str, Any]], agreed: list[int],
+                  agree: "_Agree", device: torch.device | None) -> dict[str, float]:
+    """The value each poisoned second moment is reset to (keyed by its entry's ``max_at`` or its
+    key), agreed over ranks in one MAX; decides ``count`` and ``use_snap`` per entry as well."""
     maxima: list[torch.Tensor] = []
-    fallback_keys: list[str] = []
+    fallback: dict[str, tuple] = {}  # key -> path: non-finite everywhere, the key's largest over all parameters
     for plan in plans:
         for e in plan["keys"]:
             a = e["at"]
@@ -606,67 +284,73 @@ def repair_optimizer_state(
                 if agreed[a + 1]:
                     e["max_at"] = len(maxima)
                     maxima.append(e["max"])
-                elif e["key"] not in fallback_keys:
-                    fallback_keys.append(e["key"])  # non-finite everywhere: the key's largest over all parameters
+                else:
+                    fallback.setdefault(e["key"], e["path"])
     with torch.no_grad():
-        for key in fallback_keys:
+        for path in fallback.values():
             wide = torch.float32 if device.type == "mps" else torch.float64
-            best = [_finite_abs_max(local(st[key])).to(device, wide)
-                    for st in optimizer.state.values() if _checkable(st.get(key))]
+            best = [_finite_abs_max(local(at(st, path))).to(device, wide)
+                    for st in optimizer.state.values() if _checkable(at(st, path))]
             maxima.append(torch.stack(best).amax() if best else torch.full((), -math.inf, dtype=wide, device=device))
-    agreed_max = agree.max(maxima, device) if device is not None else []
-    fallback = {k: agreed_max[len(maxima) - len(fallback_keys) + j] for j, k in enumerate(fallback_keys)}
+    got = agree.max(maxima, device) if device is not None else []
+    values = {f"#{j}": v for j, v in enumerate(got[: len(got) - len(fallback)])}
+    values.update({k: got[len(got) - len(fallback) + j] for j, k in enumerate(fallback)})
+    return values
 
-    # 3. write, each rank into its own shards --------------------------------------------------
-    with torch.no_grad():
-        for plan in plans:
-            name, pl, pflag = plan["name"], plan["p"], plan["pflag"]
-            if pflag is not None:
-                if agreed[plan["at"]]:
-                    unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason="no clean snapshot to copy the parameter from"))
-                elif not patch_params:
-                    unrepaired.append(RepairAction(
-                        name, None, pflag.nonfinite, "none",
-                        reason=f"{poisoned_param_elems} poisoned parameter elements exceed max_param_fraction={max_param_fraction}"))
-                else:
-                    src = plan["psrc"].to(pl.device, pl.dtype)
-                    pl.copy_(torch.where(~torch.isfinite(pl), src, pl))
-                    repaired.append(RepairAction(name, None, pflag.nonfinite, "snapshot"))
-            for e in plan["keys"]:
-                k, vl, kmask, count = e["key"], e["vl"], e["kmask"], e["count"]
-                if count == 0:
-                    continue
-                if e["use_snap"]:
-                    vl.copy_(torch.where(kmask, e["src"], vl))
-                    repaired.append(RepairAction(name, k, count, "snapshot"))
-                elif k in ZERO_KEYS:
-                    vl.masked_fill_(kmask, 0)
-                    repaired.append(RepairAction(name, k, count, "zero"))
-                elif k in SECOND_MOMENT_KEYS:
-                    value = agreed_max[e["max_at"]] if "max_at" in e else fallback[k]
-                    if not math.isfinite(value):  # no finite value of this key anywhere
-                        vl.masked_fill_(kmask, 0)
-                        repaired.append(RepairAction(name, k, count, "zero (no finite value)", 0.0))
-                    else:
-                        vl.masked_fill_(kmask, value)
-                        repaired.append(RepairAction(name, k, count, "finite_max", value))
-                else:
-                    unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
-        # buffers (replicated, not sharded: copied back from the snapshot as they are) -------------
-        for f in scan.buffers:
-            _, b = scan._refs[(f.name, "buffer")]
-            b = local(b)
-            src = from_snapshot(snap_model, f.name, "buffer")
-            if src is None or src.shape != b.shape:
-                unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
-                continue
-            bmask = ~torch.isfinite(b)
-            own = scan._legit.get((f.name, "buffer"))
-            if own is not None:
-                bmask &= ~own  # the buffer's own -inf (a causal mask) stays as it is
-            b.copy_(torch.where(bmask, src.to(b.device, b.dtype), b))
-            repaired.append(RepairAction(f.name, "buffer", f.nonfinite, "snapshot"))
 
-    # verify: a second scan (rare path) so that `ok` is measured, not assumed
-    after = scan_state(model, optimizer, baseline) if not scan.clean else scan
-    return RepairReport(scan, repaired, unrepaired, after, step)
+def _write_param(plan: dict[str, Any], agreed: list[int], too_many: str | None,
+                 repaired: list[RepairAction], unrepaired: list[RepairAction]) -> None:
+    name, pl, pflag = plan["name"], plan["p"], plan["pflag"]
+    if pflag is None:
+        return
+    if agreed[plan["at"]]:
+        unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason="no clean snapshot to copy the parameter from"))
+    elif too_many is not None:
+        unrepaired.append(RepairAction(name, None, pflag.nonfinite, "none", reason=too_many))
+    else:
+        src = plan["psrc"].to(pl.device, pl.dtype)
+        pl.copy_(torch.where(~torch.isfinite(pl), src, pl))
+        repaired.append(RepairAction(name, None, pflag.nonfinite, "snapshot"))
+
+
+def _write_state(plan: dict[str, Any], values: dict[str, float], repaired: list[RepairAction],
+                 unrepaired: list[RepairAction]) -> None:
+    name = plan["name"]
+    for e in plan["keys"]:
+        k, vl, kmask, count = e["key"], e["vl"], e["kmask"], e["count"]
+        if count == 0:
+            continue
+        if e["use_snap"]:
+            vl.copy_(torch.where(kmask, e["src"], vl))
+            repaired.append(RepairAction(name, k, count, "snapshot"))
+        elif e["rule"] == "zero":
+            vl.masked_fill_(kmask, 0)
+            repaired.append(RepairAction(name, k, count, "zero"))
+        elif e["rule"] == "second":
+            value = values[f"#{e['max_at']}"] if "max_at" in e else values[k]
+            if not math.isfinite(value):  # no finite value of this key anywhere
+                vl.masked_fill_(kmask, 0)
+                repaired.append(RepairAction(name, k, count, "zero (no finite value)", 0.0))
+            else:
+                vl.masked_fill_(kmask, value)
+                repaired.append(RepairAction(name, k, count, "finite_max", value))
+        else:
+            unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
+
+
+def _write_buffers(scan: StateScan, snap_model: Any, repaired: list[RepairAction],
+                   unrepaired: list[RepairAction]) -> None:
+    """Buffers (replicated, not sharded) are copied back from the snapshot as they are."""
+    for f in scan.buffers:
+        _, b, raw = scan._refs[(f.name, "buffer")]
+        b = local(b)
+        src = _snap_tensor(snap_model.get(raw)) if snap_model is not None else None
+        if src is None or src.shape != b.shape:
+            unrepaired.append(RepairAction(f.name, "buffer", f.nonfinite, "none", reason="no clean snapshot to copy the buffer from"))
+            continue
+        bmask = ~torch.isfinite(b)
+        own = scan._legit.get((f.name, "buffer"))
+        if own is not None:
+            bmask &= ~own  # the buffer's own -inf (a causal mask) stays as it is
+        b.copy_(torch.where(bmask, src.to(b.device, b.dtype), b))
+        repaired.append(RepairAction(f.name, "buffer", f.nonfinite, "snapshot"))

@@ -7,7 +7,8 @@ A snapshot's ``state`` is a plain dict (the same layout a disk checkpoint stores
      "extra": {name: obj.state_dict()}}
 
 Every tensor is a host copy (device tensors go to pinned memory, asynchronously; ``wait()``
-before reading). The optimizer's parameters and state are copied on a side stream while the
+before reading), except frozen parameters (``requires_grad=False``): those are the model's own
+tensors, referenced while they stay frozen (``frozen.py``: a LoRA base costs no snapshot memory). The optimizer's parameters and state are copied on a side stream while the
 next step runs (see ``_state``: the guard fences the copy before the next optimizer write). When
 the ring is full, the evicted snapshot's buffers are reused for the new one, so periodic
 snapshots of a fixed-shape model do not allocate host memory again.
@@ -39,9 +40,10 @@ from ._state import (
     restore_optimizer,
     restore_rng,
     optimizer_tensors,
-    state_bytes,
     to_host,
 )
+from ._tree import at, leaves, same_structure
+from .frozen import frozen_refs, owned_bytes
 
 
 def capture_state(
@@ -61,9 +63,10 @@ def capture_state(
     flag, on the device, whether the optimizer's parameters and state are finite
     (``HostCopy.finite()``, read once the copy has landed: no host sync now). Under
     torch.distributed the flag is agreed over ranks in one all-reduce: call it on every rank."""
+    model_sd = model.state_dict()
     live = {
         "step": int(step),
-        "model": model.state_dict(),
+        "model": model_sd,
         "optimizer": optimizer.state_dict(),
         "scheduler": None if scheduler is None else call_state_dict(scheduler, "scheduler"),
         "scaler": None if scaler is None else call_state_dict(scaler, "scaler"),
@@ -72,7 +75,12 @@ def capture_state(
         "extra": {k: call_state_dict(v, f"extra_state[{k!r}]") for k, v in (extra or {}).items()},
     }
     agree = check_finite and distributed_rank() is not None
-    return to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree)
+    refs = frozen_refs(model, optimizer)
+    shared = refs.shared(model, model_sd)  # frozen weights: referenced, not copied (recover/frozen.py)
+    host = to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree,
+                   shared=shared)
+    refs.hold(host, shared)
+    return host
 
 
 def restore_state(
@@ -96,9 +104,42 @@ def restore_state(
     for name, obj in (extra or {}).items():
         saved = (state.get("extra") or {}).get(name)
         if saved is not None:
-            obj.load_state_dict(clone_tree(saved))
+            restore_object(obj, saved)
     if rng and state.get("rng") is not None:
         restore_rng(state["rng"])
+
+
+def restore_object(obj: Any, saved: Any) -> None:
+    """``obj.load_state_dict`` with ``saved`` (a host copy of its ``state_dict()``), its tensors
+    kept where they live: a module copies into its own; for anything else, when its live
+    ``state_dict()`` returns its tensors (the PyTorch convention) in the same structure, they are
+    copied into in place and handed back -- diffusers' ``EMAModel.load_state_dict`` keeps (a deep
+    copy of) the tensors it is given: given host copies, its shadow weights would move to the host."""
+    if isinstance(obj, torch.nn.Module):
+        obj.load_state_dict(saved)
+        return
+    live = obj.state_dict()
+    pairs = [(at(live, path), v) for path, v in leaves(saved)]
+    if not pairs or not same_structure(live, saved) or not all(
+            isinstance(t, torch.Tensor) and t.shape == v.shape and t.dtype == v.dtype for t, v in pairs):
+        obj.load_state_dict(clone_tree(saved))
+        return
+    with torch.no_grad():
+        for t, v in pairs:
+            t.copy_(v)
+    obj.load_state_dict(_plain_from(saved, live))
+
+
+def _plain_from(saved: Any, live: Any) -> Any:
+    """``saved``'s structure and plain values, with ``live``'s tensors."""
+    if isinstance(saved, torch.Tensor):
+        return live
+    if isinstance(saved, dict):
+        return type(saved)((k, _plain_from(v, live[k])) for k, v in saved.items())
+    if isinstance(saved, (list, tuple)):
+        items = [_plain_from(v, lv) for v, lv in zip(saved, live)]
+        return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
+    return copy.deepcopy(saved)
 
 
 @dataclass
@@ -124,7 +165,8 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return state_bytes(self.host.tree)
+        """Host bytes of its own (the frozen weights it references are the model's)."""
+        return owned_bytes(self.host)
 
 
 class SnapshotRing:

@@ -19,6 +19,7 @@ depend on how the loop counts its own steps.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -46,39 +47,69 @@ class Fault:
             raise ValueError(f"fault kind {self.kind!r}: use one of {FAULTS}")
 
 
+def state_leaves(tree: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a per-parameter optimizer state, nested to any depth (heavyball keeps
+    ``state[p][0]["update_by_adam_exp_avg_0"]``, lists of factors): the harness's own walk, so that
+    it does not share a bug with earlywarn's."""
+    if isinstance(tree, torch.Tensor):
+        return [(path, tree)]
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    out = []
+    for k, v in items:
+        out += state_leaves(v, f"{path}.{k}" if path else str(k))
+    return out
+
+
 def _floating_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-    st = opt.state.get(p, {})
+    found = [(k, v) for k, v in state_leaves(opt.state.get(p, {})) if v.is_floating_point() and v.numel() > 1]
     for key in _STATE_PREFERENCE:
-        v = st.get(key)
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1:
-            return key, v
-    for key, v in st.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1:
-            return str(key), v
-    return None
+        for k, v in found:
+            if k.rsplit(".", 1)[-1] == key:
+                return k, v
+    for key in _STATE_PREFERENCE:  # nested names that carry the moment's name (update_by_adam_exp_avg_sq_0)
+        for k, v in found:
+            if key in k.rsplit(".", 1)[-1]:
+                return k, v
+    return found[0] if found else None
 
 
-def _clone_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+def _plain_copy(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _plain_copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain_copy(v) for v in x]
+    return copy.deepcopy(x)
+
+
+def _clone_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[Any]]:
     params = [p.detach().clone() for p in model.parameters()]
-    state = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state.get(p, {}).items()}
-             for p in model.parameters()]
-    return params, state
+    return params, [_plain_copy(opt.state.get(p, {})) for p in model.parameters()]
 
 
-def _bit_identical(a: tuple[list[torch.Tensor], list[dict[str, Any]]],
-                   b: tuple[list[torch.Tensor], list[dict[str, Any]]]) -> str | None:
+def _diff(a: Any, b: Any, where: str) -> str | None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return None if same else f"state {where!r} changed"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"state keys at {where!r} changed: {sorted(map(str, a))} -> {sorted(map(str, b))}"
+        return next((d for k in a if (d := _diff(a[k], b[k], f"{where}.{k}" if where else str(k)))), None)
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _diff(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"state {where!r} changed"
+
+
+def _bit_identical(a: tuple[list[torch.Tensor], list[Any]], b: tuple[list[torch.Tensor], list[Any]]) -> str | None:
     """None when identical, else what differs."""
     for i, (x, y) in enumerate(zip(a[0], b[0])):
         if not torch.equal(x, y):
             return f"parameter #{i} changed"
     for i, (sa, sb) in enumerate(zip(a[1], b[1])):
-        if sa.keys() != sb.keys():
-            return f"state keys of parameter #{i} changed: {sorted(sa)} -> {sorted(sb)}"
-        for k in sa:
-            x, y = sa[k], sb[k]
-            same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-            if not same:
-                return f"state {k!r} of parameter #{i} changed"
+        d = _diff(sa, sb, "")
+        if d is not None:
+            return f"{d} (parameter #{i})"
     return None
 
 
@@ -100,11 +131,13 @@ class Injector:
         self._optimizer = optimizer
         self.micro = -1  # index of the current training micro-batch
         self.fired = False
-        self.before: tuple[list[torch.Tensor], list[dict[str, Any]]] | None = None
+        self.before: tuple[list[torch.Tensor], list[Any]] | None = None
         self.skip_diff: str | None = None  # what changed across the skipped step (None: nothing)
         self.skip_checked = False
         self.nonfinite_at_start: dict[str, torch.Tensor] = {}
-        self._hooks = [input_module.register_forward_pre_hook(self._pre), input_module.register_forward_hook(self._post)]
+        # never traced into a compiled model: the harness counts and injects eagerly, as on any model
+        self._hooks = [input_module.register_forward_pre_hook(torch.compiler.disable(self._pre)),
+                       input_module.register_forward_hook(torch.compiler.disable(self._post))]
         if fault.kind in ("inf_grad", "huge_grad"):
             self._hooks.append(param.register_hook(self._grad))
         self._post_hook = None
@@ -185,6 +218,8 @@ class CellResult:
     optimizer: torch.optim.Optimizer
     losses: list[float] = field(default_factory=list)
     applicable: bool = True
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """More training state that must end finite (an EMA of the weights passed in extra_state)."""
 
 
 def nonfinite_tensors(model: nn.Module, opt: torch.optim.Optimizer,
@@ -196,8 +231,8 @@ def nonfinite_tensors(model: nn.Module, opt: torch.optim.Optimizer,
         for n, p in model.named_parameters():
             if not bool(torch.isfinite(p).all()):
                 bad.append(n)
-            for k, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
+            for k, v in state_leaves(opt.state.get(p, {})):
+                if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
                     bad.append(f"{n}[{k}]")
         for n, b in model.named_buffers():
             if not b.is_floating_point():
@@ -217,6 +252,7 @@ def check_invariants(r: CellResult) -> None:
     event_lines = "\n".join(str(e) for e in r.events if e.level >= Level.WARNING)
     assert r.exception is None, f"{desc}: {type(r.exception).__name__}: {r.exception}\n{event_lines}"
     bad = nonfinite_tensors(r.model, r.optimizer, r.injector.nonfinite_at_start)
+    bad += [k for k, t in r.extra_tensors.items() if not bool(torch.isfinite(t).all())]
     assert not bad, f"{desc}: non-finite at the end: {bad[:6]}\n{event_lines}"
     c = r.counters
     # counters and events agree

@@ -1,0 +1,64 @@
+"""The conformance matrix grown by the ecosystems of issue 22 (rows: ecosystem.py), against every
+fault, with the same invariants (harness.check_invariants).
+
+Cells that run a whole trainer (the HF Trainer, trl's SFTTrainer) or build a heavier model are
+marked slow; every cell still runs in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ecosystem as eco
+from harness import FAULTS, Fault, check_invariants, quiet_options
+
+torch.set_num_threads(1)
+
+LOOPS = {
+    "peft_lora_loop": lambda fault, opts, tmp: eco.peft_lora_loop(fault, opts),
+    "timm_vit_lamb": lambda fault, opts, tmp: eco.timm_vit("lamb", fault, opts),
+    "timm_vit_adamp": lambda fault, opts, tmp: eco.timm_vit("adamp", fault, opts),
+    "timm_vit_lion": lambda fault, opts, tmp: eco.timm_vit("lion", fault, opts),
+    "gan_two_watchers": lambda fault, opts, tmp: eco.gan_two_watchers(fault, opts),
+    **{name: (lambda n: lambda fault, opts, tmp: eco.optimizer_lib(n, fault, opts))(name) for name in eco.OPTIMIZER_LIBS},
+    **{name: (lambda n: lambda fault, opts, tmp: eco.torch_feature(n, fault, opts))(name)
+       for name in eco.TORCH_FEATURES if name != "torch_compile"},
+}
+SLOW = {
+    "peft_lora_hf_trainer": lambda fault, opts, tmp: eco.peft_lora_hf_trainer(fault, opts, tmp),
+    "trl_sft": lambda fault, opts, tmp: eco.trl_sft(fault, opts, tmp),
+    "diffusers_unet_ema": lambda fault, opts, tmp: eco.diffusers_unet_ema(fault, opts),
+    "litgpt_fabric": lambda fault, opts, tmp: eco.litgpt_fabric(fault, opts),
+    "torch_compile": lambda fault, opts, tmp: eco.torch_feature("torch_compile", fault, opts),  # dynamo tracing
+}
+PACKAGES = {"peft": "peft", "timm": "timm", "trl": "trl", "diffusers": "diffusers", "litgpt": "litgpt",
+            "heavyball": "heavyball", "schedulefree": "schedulefree", "lion": "lion_pytorch"}
+
+
+def _needs(codebase: str) -> None:
+    for prefix, module in PACKAGES.items():
+        if codebase.startswith(prefix) or (prefix == "timm" and codebase.startswith("timm")):
+            pytest.importorskip(module, reason=f"{module} is not installed (scripts/setup.sh installs it)")
+    if codebase.startswith("peft_lora_hf"):
+        pytest.importorskip("transformers")
+
+
+def _run(table, codebase, fault, cell, tmp_path):
+    cell(codebase, fault)
+    _needs(codebase)
+    result = table[codebase](Fault(fault), quiet_options(tmp_path), tmp_path)
+    check_invariants(result)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("codebase", sorted(LOOPS))
+def test_ecosystem_loops(codebase, fault, cell, tmp_path):
+    _run(LOOPS, codebase, fault, cell, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("codebase", sorted(SLOW))
+def test_ecosystem_frameworks(codebase, fault, cell, tmp_path):
+    _run(SLOW, codebase, fault, cell, tmp_path)
