@@ -59,6 +59,7 @@ class Kind(str, enum.Enum):
     SCALER_OVERFLOW = "scaler_overflow"
     # actions and their outcomes
     SKIP = "skip"
+    CLIP = "clip"
     REPAIR = "repair"
     CHECKPOINT = "checkpoint"
     REWIND = "rewind"

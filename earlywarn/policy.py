@@ -26,6 +26,7 @@ class Action(str, enum.Enum):
 
     NONE = "none"
     CHECKPOINT = "checkpoint"
+    CLIP = "clip"
     SKIP = "skip"
     REPAIR = "repair"
     REWIND = "rewind"
@@ -45,7 +46,8 @@ class Action(str, enum.Enum):
                              f"{', '.join(a.value for a in cls)}") from None
 
 
-_SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.SKIP: 2, Action.REPAIR: 3, Action.REWIND: 4, Action.HALT: 5}
+_SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.CLIP: 2, Action.SKIP: 3, Action.REPAIR: 4, Action.REWIND: 5,
+             Action.HALT: 6}
 
 
 @renamed("max_rewinds", "max_rewinds_per_window")
@@ -82,10 +84,17 @@ class PolicyConfig:
     (Adam's second moment inflated by a 1e4x gradient would stall the run for thousands of steps).
     Async mode reads it after its update was applied and cannot skip it."""
 
-    outlier_skips_quiet: int = 3
-    """Outliers in a row while the loss stays at its level are a new regime (an unfrozen backbone,
-    a stage with larger gradients), not bad batches: after this many skips they are applied (a
-    burst of corrupt batches moves the loss too, and keeps being skipped)."""
+    outlier_skips: int = 40
+    """Outliers in a row skipped (a burst of corrupt batches: PaLM skipped 200-500); from the next
+    one on they are clipped instead (scaled to ``outlier_clip_ratio`` times their typical norm
+    before the update): a new regime (a harder stage, every gradient large from now on) keeps
+    training while the detector's baseline moves to it. Outliers right after an update of the
+    run's own that was that large (a part unfrozen: its first update moves the model far) are the
+    run recovering from it, not bad batches: they are applied."""
+
+    outlier_clip_ratio: float = 3.0
+    """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
+    scaled to."""
 
     lr_probe_steps: int = 5
     """After an LR jump (COLLAPSE_RISK on the learning rate, a clean copy saved before its update),
@@ -156,16 +165,17 @@ class PolicyConfig:
                     setattr(self, f.name, Action.parse(getattr(self, f.name)))
                 except ValueError as e:
                     raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name)!r} is invalid: {e}") from None
-                if getattr(self, f.name) is Action.REPAIR:
-                    raise ValueError(f"PolicyConfig.{f.name}='repair' is invalid: a repair is the guard's answer to "
-                                     "poisoned optimizer state; use none, checkpoint, skip, rewind or halt")
+                if getattr(self, f.name) in (Action.REPAIR, Action.CLIP):
+                    raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name).value!r} is invalid: the guard "
+                                     "decides repairs (poisoned optimizer state) and clips (a run of outliers) itself; "
+                                     "use none, checkpoint, skip, rewind or halt")
         for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
                      "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds_per_window",
-                     "rewind_window", "outlier_skips_quiet", "lr_probe_steps", "divergence_lookback"):
+                     "rewind_window", "outlier_skips", "lr_probe_steps", "divergence_lookback"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use an int >= 0")
-        for name in ("lr_probe_grad_ratio", "lr_probe_loss_ratio", "lr_rise_ratio"):
+        for name in ("lr_probe_grad_ratio", "lr_probe_loss_ratio", "lr_rise_ratio", "outlier_clip_ratio"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 1.0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use a ratio > 1 (value / its typical value)")
@@ -243,6 +253,8 @@ class PolicyDecision:
     hold_lr_at_target: bool = False
     """After this step's rewind, step at no more than the learning rate of the restored state while
     the loop's is above it (a divergence a rising learning rate led into)."""
+    clip_factor: float | None = None
+    """Scale this step's gradients by this before its update (a persistent outlier, clipped)."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
 
@@ -256,6 +268,7 @@ class PolicyDecision:
 
 
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
+_OWN_STEP_RATIO = 10.0  # an update applied with a gradient this many typical norms (outlier-sized)
 
 
 class Policy:
@@ -274,7 +287,8 @@ class Policy:
         self.checkpoints: deque[int] = deque()
         self.last_rewind = -(1 << 60)
         self.rewinds: deque[int] = deque()
-        self.quiet_outliers = 0  # outliers in a row skipped while the loss stayed at its level
+        self.outliers = 0  # outliers in a row
+        self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         self.probe: tuple[int, float] | None = None  # (tick of an LR jump, the highest LR survived before it)
         self.lrs: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_lookback + 16)  # (tick, LR taken)
@@ -299,7 +313,7 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy, hold_target = 0, None, False, False
+        back, ceiling, lr_copy, hold_target, clip = 0, None, False, False, None
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
         nonfinite_now = warned_now = False
@@ -311,7 +325,7 @@ class Policy:
             warned_now |= a.kind is Kind.COLLAPSE_RISK
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
             if a.kind is Kind.GRAD_OUTLIER:
-                action = self._outlier(a, action, reasons)
+                action, clip = self._outlier(a, action, t)
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and a.signal == "lr" and cfg.lr_probe_steps:
@@ -347,7 +361,7 @@ class Policy:
                     reasons.append(note)
                     suppressed = (note,)
         actions = tuple(sorted(wanted, key=_SEVERITY.__getitem__, reverse=True))
-        self._after(actions, alerts, t, nonfinite_now or skipped)
+        self._after(actions, alerts, t, nonfinite_now or skipped, evidence)
         restores = Action.REWIND in wanted or Action.REPAIR in wanted
         return PolicyDecision(
             actions=actions, reasons=tuple(f"{a.value}: {wanted[a]}" for a in actions) + tuple(reasons),
@@ -355,20 +369,23 @@ class Policy:
             halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak,
             onset_back=back if Action.REWIND in wanted else 0,
             lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
-            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None)
+            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None,
+            clip_factor=clip if Action.CLIP in wanted and not restores else None)
 
     # -- the rules that read more than one alert -----------------------------------------------
-    def _outlier(self, a: Event, action: Action, reasons: list[str]) -> Action:
-        """An outlier gradient is skipped, unless outliers keep coming while the loss stays at its
-        level (a new regime): after ``outlier_skips_quiet`` of them, it is taken."""
-        loss_ratio = a.values.get("loss_ratio", math.nan)
-        quiet = not loss_ratio >= self.cfg.lr_probe_loss_ratio  # NaN: no loss to say otherwise
-        self.quiet_outliers = self.quiet_outliers + 1 if quiet else 0
-        if action is Action.SKIP and self.quiet_outliers > self.cfg.outlier_skips_quiet:
-            reasons.append(f"no skip for the outlier at step {a.step}: {self.quiet_outliers} in a row with the "
-                           "loss at its level, a new regime (PolicyConfig.outlier_skips_quiet)")
-            return Action.NONE
-        return action
+    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None]:
+        """The first ``outlier_skips`` outliers in a row are skipped, the rest clipped; those right
+        after a large update of the run's own are applied (-> the action, and the factor the
+        gradients are scaled by)."""
+        self.outliers += 1
+        if action is Action.SKIP and self.big_applied is not None and t - self.big_applied <= 3:
+            return Action.NONE, None  # the run recovering from its own large update: let it
+        if action is not Action.SKIP or self.outliers <= self.cfg.outlier_skips:
+            return action, None
+        ratio = a.values.get("ratio", math.nan)
+        if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
+            return Action.NONE, None
+        return Action.CLIP, self.cfg.outlier_clip_ratio / ratio
 
     def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
         """A loss far above its level is rewound only when the run's own updates led into it: an
@@ -400,18 +417,20 @@ class Policy:
         self.probe = None
         return t - t0, survived if survived == survived and survived > 0 else None
 
-    def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool) -> None:
+    def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
+        kinds = {a.kind for a in alerts}
+        if Kind.GRAD_OUTLIER not in kinds:
+            self.outliers = 0
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
-                self.abnormal, self.probe, self.quiet_outliers = None, None, 0
+                self.abnormal, self.probe, self.outliers, self.big_applied = None, None, 0, None
                 self.lrs.clear()
             return
-        kinds = {a.kind for a in alerts}
-        if Kind.GRAD_OUTLIER in kinds or self.probe is not None and self.probe[0] == t:
-            self.abnormal = t  # an outlier or an LR jump applied: a loss that rises after it is the run's
-        if Kind.GRAD_OUTLIER not in kinds:
-            self.quiet_outliers = 0
+        if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions or self.probe is not None and self.probe[0] == t:
+            self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
+        if ev.grad_ratio >= _OWN_STEP_RATIO and Action.CLIP not in actions:
+            self.big_applied = t
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
@@ -462,7 +481,7 @@ class Policy:
         return {"tick": self.tick, "nonfinite_streak": self.nonfinite_streak,
                 "last_checkpoint": self.last_checkpoint, "last_warning": self.last_warning,
                 "checkpoints": list(self.checkpoints), "last_rewind": self.last_rewind,
-                "rewinds": list(self.rewinds), "quiet_outliers": self.quiet_outliers,
+                "rewinds": list(self.rewinds), "outliers": self.outliers, "big_applied": self.big_applied,
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs]}
 
@@ -474,7 +493,8 @@ class Policy:
         self.checkpoints = deque(int(v) for v in d["checkpoints"])
         self.last_rewind = int(d["last_rewind"])
         self.rewinds = deque(int(v) for v in d["rewinds"])
-        self.quiet_outliers = int(d.get("quiet_outliers", 0))
+        self.outliers = int(d.get("outliers", 0))
+        self.big_applied = None if d.get("big_applied") is None else int(d["big_applied"])
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
         self.probe = None if probe is None else (int(probe[0]), float(probe[1]))

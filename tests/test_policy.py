@@ -40,7 +40,7 @@ def test_defaults_map_each_alert_to_its_documented_action():
     assert p.decide(6, [ev(6, Kind.GRAD_OUTLIER, ratio=1e4, loss_ratio=1.0, steps=1)]).actions == (Action.SKIP,)
     # a diverged loss with nothing abnormal before it: a change in the data, no rewind
     d = p.decide(7, [ev(7, Kind.LOSS_DIVERGED, steps=8)])
-    assert not d.actions and "no abnormal update before it" in d.reasons[0]
+    assert not d.actions and "no abnormal update and no rising learning rate before it" in d.reasons[0]
 
 
 def test_nonfinite_streak_turns_skips_into_a_rewind_then_starts_over():
@@ -208,20 +208,38 @@ def test_action_parse_and_str():
 
 # -- the response to finite trouble (issue 20) -------------------------------------------------------
 
-def test_an_outlier_is_skipped_and_a_quiet_run_of_them_is_a_new_regime():
-    p = Policy()
-    out = lambda s, loss_ratio=1.0: [ev(s, Kind.GRAD_OUTLIER, ratio=30.0, loss_ratio=loss_ratio, steps=1)]
-    acts = [p.decide(s, out(s)).actions for s in range(10, 16)]
-    # three skips while the loss stays at its level, then the new level is taken
-    assert acts[:3] == [(Action.SKIP,)] * 3 and acts[3:] == [()] * 3
-    # a burst of corrupt batches moves the loss too: skipped however long it lasts
-    p = Policy()
-    assert all(p.decide(s, out(s, loss_ratio=40.0)).actions == (Action.SKIP,) for s in range(20, 60))
+def test_an_outlier_is_skipped_and_a_long_run_of_them_clipped():
+    from earlywarn.policy import Evidence
+
+    p = Policy(PolicyConfig(outlier_skips=3))
+    out = lambda s, ratio=30.0: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=5.0, steps=1)]
+    ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 16)]
+    # three skips, then the rest are scaled to 3x their typical norm (a new regime keeps training)
+    assert [d.actions for d in ds[:3]] == [(Action.SKIP,)] * 3
+    assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 30.0) for d in ds[3:])
     assert p.nonfinite_streak == 0  # outliers are no non-finite streak: nothing to rewind
+    assert p.abnormal is None  # a clipped outlier is no abnormal update
+    # the count starts over after an ordinary step
+    p.decide(16, [], Evidence(1.0, 1.0))
+    assert p.decide(17, out(17), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
+    # a burst of 40 corrupt batches is skipped from end to end by default
+    p = Policy()
+    assert all(p.decide(s, out(s), Evidence(30.0, 5.0)).actions == (Action.SKIP,) for s in range(100, 140))
+
+
+def test_outliers_right_after_a_large_update_of_the_runs_own_are_applied():
+    from earlywarn.policy import Evidence
+
+    p = Policy()
+    # a part unfrozen: its first update carries a 15x gradient (no outlier: new layers joined) ...
+    assert not p.decide(50, [], Evidence(15.0, 1.0)).actions
+    # ... and the run recovering from it has large gradients for a while: applied, as a bare run would
+    out = lambda s: [ev(s, Kind.GRAD_OUTLIER, ratio=12.0, loss_ratio=6.0, steps=s - 50)]
+    assert all(not p.decide(s, out(s), Evidence(12.0, 6.0)).actions for s in range(51, 70))
 
 
 def test_a_diverged_loss_is_rewound_only_after_an_abnormal_update_and_to_before_it():
-    cfg = PolicyConfig(outlier_skips_quiet=0)  # the outlier is taken (a new regime), then the loss rises
+    cfg = PolicyConfig(on_grad_outlier="none")  # the outlier is taken in full, then the loss rises
     p = Policy(cfg)
     assert not p.decide(100, [ev(100, Kind.GRAD_OUTLIER, ratio=20.0, loss_ratio=1.0, steps=1)]).actions
     for s in range(101, 110):
@@ -263,3 +281,18 @@ def test_an_lr_jump_is_copied_and_watched_and_an_unstable_run_rewinds_with_the_l
     q = Policy()
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.decide(51, [], Evidence(9.0, 1.0)).lr_ceiling == 1e-3
+
+
+def test_a_divergence_a_rising_learning_rate_led_into_is_rewound_with_the_lr_held():
+    from earlywarn.policy import Evidence
+
+    p = Policy()
+    for s in range(100):  # the loop ramps its LR 1.03x a step from step 40
+        p.decide(s, [], Evidence(1.0, 1.0, 1e-3 * 1.03 ** max(0, s - 40)))
+    d = p.decide(100, [ev(100, Kind.LOSS_DIVERGED, steps=8)], Evidence(3.0, 5.0, 1e-3 * 1.03 ** 60))
+    assert d.actions == (Action.REWIND,) and d.hold_lr_at_target and d.lr_ceiling is None
+    # the same divergence under a flat LR: no rewind
+    p = Policy()
+    for s in range(100):
+        p.decide(s, [], Evidence(1.0, 1.0, 1e-3))
+    assert not p.decide(100, [ev(100, Kind.LOSS_DIVERGED, steps=8)], Evidence(3.0, 5.0, 1e-3)).actions

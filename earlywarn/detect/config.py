@@ -189,15 +189,21 @@ class DetectorConfig:
     value is an *outlier*: a GRAD_OUTLIER warning at its own step, read before its update (the
     guard skips that update by default: an Adam second moment inflated by a 1e4x gradient
     stalls the run for thousands of steps). ``values["steps"]`` counts outliers in a row and
-    ``values["loss_ratio"]`` says whether the loss moved too (a corrupt batch) or not. On the
+    ``values["loss_ratio"]`` says whether the loss moved too (a corrupt batch) or not. A step on
+    which layers that had no gradient get one (a frozen part unfrozen) is no outlier. On the
     generated runs of ``benchmarks/rescue.py`` healthy runs reach 15x on one step at most (an
     outlier batch, a late unfreeze) and faults 20x-1e6x. ``inf`` turns the rule off."""
 
     init_loss_ratio: float = 3.0
     """The first steps are watched too: until the loss has a baseline (``warmup_steps`` values),
-    a loss at least this many times its value at initialisation two steps in a row is a
-    COLLAPSE_RISK warning (a learning rate far too high from step 0 takes the loss there within
-    a few steps; a loss <= 0 is compared as the loss channel tracks it). ``inf`` turns it off."""
+    a loss at least this many times its value at initialisation ``init_loss_steps`` steps in a
+    row is a COLLAPSE_RISK warning (a learning rate far too high from step 0 takes the loss there
+    within a few steps and keeps it there; a loss <= 0 is compared as the loss channel tracks
+    it). ``inf`` turns it off."""
+
+    init_loss_steps: int = 5
+    """See ``init_loss_ratio``: a healthy run's first steps may jump (BatchNorm statistics
+    settling); one that stays that far above its start for this long does not learn."""
 
     jump_ratio: float = float("inf")
     """A single step at this ratio or more is a ``warning`` on its own. Off by default: one spiky
@@ -240,7 +246,7 @@ class DetectorConfig:
 
         for name in ("warmup_steps", "escalate_steps", "loss_diverge_steps",
                      "rearm_steps", "readapt_steps", "overflow_steps", "max_layers_listed",
-                     "layers_at_once", "lr_ref_steps"):
+                     "layers_at_once", "lr_ref_steps", "init_loss_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(name, "use an int")
@@ -270,7 +276,7 @@ class DetectorConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 1.0) or math.isnan(v):
                 bad(name, "use a ratio >= 1 (value / baseline)")
-        for name in ("escalate_steps", "loss_diverge_steps", "rearm_steps",
+        for name in ("escalate_steps", "loss_diverge_steps", "rearm_steps", "init_loss_steps",
                      "readapt_steps", "overflow_steps"):
             if getattr(self, name) < 1:
                 bad(name, "use at least 1")

@@ -343,7 +343,7 @@ def critical(t: Thresholds, w: Work, obs: Observation, bad: Trouble, d: Deviatio
 def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Trouble) -> list[Event]:
     """GRAD_OUTLIER: the global gradient norm elevated and ``outlier_ratio`` times its typical
     value or more, reported at its own step (the guard reads it before the update)."""
-    if bad.skipped or not d.elevated[GRAD] or d.dev[GRAD] < t.log_outlier:
+    if bad.skipped or not d.elevated[GRAD] or d.dev[GRAD] < t.log_outlier or _layers_joined(w, d):
         w.outliers = 0
         return []
     w.outliers += 1
@@ -352,9 +352,18 @@ def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Troubl
     return [messages.outlier_event(obs, w, float(d.dev[GRAD]), loss_ratio, ordered_layers(w, d, t.cfg.max_layers_listed))]
 
 
+def _layers_joined(w: Work, d: Deviations) -> bool:
+    """Layers that had no gradient at the last step have one now (a frozen part unfrozen): the
+    global norm's jump is theirs, a new regime rather than an outlier."""
+    if not w.n_layers or not w.has_dev:
+        return False
+    return bool(np.any(d.present[N_FIXED:w.layers_end] & ~w.layer_present))
+
+
 def early(t: Thresholds, w: Work, obs: Observation, d: Deviations, v: Values) -> list[Event]:
     """The first steps, before the loss has a baseline: its value at initialisation is the prior.
-    A loss ``init_loss_ratio`` times that two steps in a row is a COLLAPSE_RISK warning, once."""
+    A loss ``init_loss_ratio`` times that ``init_loss_steps`` steps in a row is a COLLAPSE_RISK
+    warning, once."""
     y = v.logv[LOSS]
     if not y == y or w.init_warned:  # no (finite, shifted > 0) loss this step, or said already
         return []
@@ -366,7 +375,7 @@ def early(t: Thresholds, w: Work, obs: Observation, d: Deviations, v: Values) ->
         return []
     ratio_log = y - _log(first)
     w.init_high = w.init_high + 1 if ratio_log >= t.log_init else 0
-    if w.init_high < 2:
+    if w.init_high < t.cfg.init_loss_steps:
         return []
     w.init_warned = True
     return [messages.early_event(obs, w, math.exp(ratio_log), v.given[LOSS])]

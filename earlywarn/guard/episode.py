@@ -66,9 +66,6 @@ class Episode:
         gradient elevated at the latest step judged (async mode: a step or two back)."""
         return _within(self.alert, step, self.window) or self.elevated
 
-    def in_incident(self, step: int) -> bool:
-        return _within(self.incident, step, self.window)
-
 
 def onset(step: int, alerts: Sequence[Event]) -> int:
     """The first abnormal step the alerts speak of: an alert that counts consecutive steps

@@ -37,7 +37,7 @@ class Decision:
     scan: Any
     """The state scan of a non-finite step (None: not taken)."""
     bad_batch: bool
-    """A non-finite step with the state verified finite and no incident in progress: the batch's fault."""
+    """A non-finite step with the state verified finite: the batch's fault."""
     skip: bool
     """The update is not applied (sync: decided here; async: what the device flag skipped)."""
     clean_before: bool
@@ -96,9 +96,9 @@ class Judge:
             # Rare path: was anything written? Finite parameters and optimizer state mean the bad
             # step was never applied: one bad batch, skipped, not a reason to rewind.
             scan = self._scan()
+        # Finite state proves the bad step was never applied: skipping it is safe, whatever came
+        # before (an instability that goes on is the streak's and the divergence rule's to answer).
         state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
-        if state_finite and episode.in_incident(step):
-            state_finite = None  # an incident is in progress: finite is not proof of one bad batch
         repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
         lr = obs.extras.get("lr", float("nan"))
         policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr), state_finite=state_finite,

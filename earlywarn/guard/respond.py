@@ -58,6 +58,21 @@ class Responses:
         elif decision.checkpoint:
             self.recovery.checkpoint(tag.step, reason="warning")  # its CHECKPOINT event comes from recovery
 
+    # -- a clipped step -------------------------------------------------------------------------------
+    def clip(self, decision: Decision, tag: StepTag) -> None:
+        """An outlier in a long run of them: its gradients are scaled down before the update."""
+        factor = decision.policy.clip_factor
+        self.statistics.scale_gradients(factor)
+        out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
+        ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
+        self.telemetry.emit(Event(
+            step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
+            layers=out.layers if out is not None else (),
+            message=(f"outlier gradient ({ratio:.3g}x its typical norm), one more in a row: scaled by {factor:.3g} "
+                     f"to {ratio * factor:.3g}x its typical norm before the update (a long burst of bad batches "
+                     "does bounded damage; a new regime keeps training while the baseline moves to it)"),
+            values={"clip_factor": factor, "ratio": ratio}, batch=_batch_index(tag)))
+
     # -- a skipped step -------------------------------------------------------------------------------
     def skipped(self, decision: Decision, tag: StepTag) -> None:
         """Report a skipped step; a bad batch (state verified finite) is quarantined, and the

@@ -236,6 +236,13 @@ class StepStatistics:
         return Observation(step=tag.run_step, grad_norm=total, layer_norms=np.sqrt(layer_sq), loss=loss,
                            layer_nonfinite=nonfinite, skipped=not math.isfinite(total), batch=batch, extras=extras)
 
+    def scale_gradients(self, factor: float) -> None:
+        """Scale the gradients about to be applied by ``factor`` (a clipped outlier: one fused
+        multiply on the device, no host read)."""
+        grads = [p.grad for p in self.layer_map.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
     def device_skip_flag(self, vec: torch.Tensor) -> torch.Tensor:
         """Async mode: the fused kernel's skip flag, on the device (no host read). The layer norms
         are exact (float64) there, so it is set by NaN/Inf elements only (or a float32 overflow)."""

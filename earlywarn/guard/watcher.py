@@ -327,6 +327,8 @@ class Watcher:
         decision = self._judge_now(vec, tag)
         if decision.restores:
             self._restore(decision, tag)
+        elif decision.policy.clip_factor is not None:
+            self.responses.clip(decision, tag)
         # The scaler skips overflow steps itself (and never calls step()); we skip spikes too.
         install.scaler_decided = decision.skip or decision.restores
         try:
@@ -370,6 +372,8 @@ class Watcher:
         if decision.restores:
             self._restore(decision, tag)
             return apply(NO_UPDATE)
+        if decision.policy.clip_factor is not None:
+            self.responses.clip(decision, tag)
         out = apply(self._install.update(decision.skip))
         self._after_step(decision, tag)
         return out

@@ -1,0 +1,46 @@
+"""earlywarn's response to trouble on generated runs (issue 20): one config of every family of
+benchmarks/rescue.py. Healthy runs are never halted, rewound, given a CRITICAL or left worse;
+dying runs of every fault family are brought back (the benchmark measures the rates)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import rescue  # noqa: E402
+from rescue_families import FAULT_FAMILIES, HEALTHY, twin_of  # noqa: E402
+from rescue_harness import run_one  # noqa: E402
+from test_rescue_families import _smallest, _strong  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _levels(res: dict) -> list[str]:
+    return [e["level"] for e in res["events"]] if isinstance(res["events"], list) else []
+
+
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_a_healthy_run_of_every_family_is_left_alone(name):
+    cfg = _smallest(HEALTHY[name])
+    ew = run_one(cfg, "earlywarn")
+    assert ew["error"] is None, ew["error"]
+    assert not ew["halted"], ew["halt_message"]
+    assert ew["counters"]["rewinds"] == 0 and "critical" not in _levels(ew), ew["events"]
+    if ew["counters"]["skipped_steps"]:  # it acted: no worse than the bare run
+        bare = run_one(cfg, "bare")
+        assert rescue.kept(bare["E0"], ew["E"], bare["E"]) >= 1.0 - rescue.WORSE_MARGIN
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FAULT_FAMILIES.items() if f.kind == "fault"))
+def test_a_dying_run_of_every_fault_family_is_rescued(name):
+    cfg = _strong(name)
+    ew, twin = run_one(cfg, "earlywarn"), run_one(twin_of(cfg), "bare")
+    assert ew["error"] is None, ew["error"]
+    assert not ew["halted"], ew["halt_message"]
+    kept = rescue.kept(twin["E0"], ew["E"], twin["E"])
+    assert kept >= rescue.RESCUED_AT, (name, kept, [e for e in ew["events"] if e["level"] != "info"][:6])
+    assert math.isfinite(ew["E"]) and ew["params_finite"]
