@@ -284,3 +284,34 @@ def test_a_rewound_saved_and_resumed_run_logs_each_step_once_and_names_steps_on_
            "at step 49 (nonfinite_grad) to step 46" in halts[0].message
     assert "state of step 46 (memory:46)" in rewinds[2].message and reports[2].resume_step == 35
     assert "training goes on from it (ew.step = 35)" in rewinds[2].message
+
+
+def test_the_alert_and_the_skip_name_the_same_first_layer():
+    # registration order (emb, ..., head) differs from backward order (head first): both the
+    # detector's alert and the guard's skip name the layer backward reached first
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Linear(4, 8)
+            self.mid = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.mid(torch.tanh(self.emb(x)))))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters())
+    ew = earlywarn.watch(model, opt, sinks=[])
+    for i in range(3):
+        loss = model(torch.randn(4, 4)).pow(2).mean()
+        loss.backward()
+        if i == 2:
+            model.emb.weight.grad[0, 0] = float("nan")
+            model.head.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    ew.close()
+    alert = next(e for e in ew.events if e.kind is Kind.NONFINITE_GRAD)
+    skip = next(e for e in ew.events if e.kind is Kind.SKIP)
+    assert alert.layers[0] == skip.layers[0] == "head" and "first in head" in alert.message

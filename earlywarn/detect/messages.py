@@ -179,7 +179,10 @@ def _nonfinite_layers(w: Work, obs: Observation) -> tuple[str, ...]:
         bad = nf if bad is None else (bad | nf)
     if bad is None:
         return ()
-    return tuple(layer_of(names[i]) for i in np.flatnonzero(bad))  # backward order
+    idx = np.flatnonzero(bad)
+    if obs.layer_rank is not None and len(obs.layer_rank) == len(names):
+        idx = idx[np.argsort(np.asarray(obs.layer_rank)[idx], kind="stable")]  # first reached in backward first
+    return tuple(layer_of(names[i]) for i in idx)
 
 
 def nonfinite_event(obs: Observation, w: Work, count: int, scaler: bool) -> Event:

@@ -32,6 +32,9 @@ class Observation:
     batch: int | None = None
     extras: Mapping[str, float] = field(default_factory=dict)
     """Optional signals when present: ``update_norm``, ``param_norm``, ``loss_scale``, ``lr``."""
+    layer_rank: np.ndarray | None = None
+    """Where each layer comes in the backward pass (0: first), when the live guard knows it: the
+    order alerts list non-finite layers in, so that they name the same first layer as the skip."""
 
     @property
     def grad_finite(self) -> bool:

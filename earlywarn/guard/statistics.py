@@ -234,7 +234,8 @@ class StepStatistics:
         loss = float(host[L]) if tag.loss_reported else None
         batch = None if tag.batch is None else tag.batch.batch_index
         return Observation(step=tag.run_step, grad_norm=total, layer_norms=np.sqrt(layer_sq), loss=loss,
-                           layer_nonfinite=nonfinite, skipped=not math.isfinite(total), batch=batch, extras=extras)
+                           layer_nonfinite=nonfinite, skipped=not math.isfinite(total), batch=batch, extras=extras,
+                           layer_rank=self.backward_rank)
 
     def scale_gradients(self, factor: float) -> None:
         """Scale the gradients about to be applied by ``factor`` (a clipped outlier: one fused
