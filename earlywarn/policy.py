@@ -268,7 +268,6 @@ class PolicyDecision:
 
 
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
-_OWN_STEP_RATIO = 10.0  # an update applied with a gradient this many typical norms (outlier-sized)
 
 
 class Policy:
@@ -378,6 +377,8 @@ class Policy:
         after a large update of the run's own are applied (-> the action, and the factor the
         gradients are scaled by)."""
         self.outliers += 1
+        if action is Action.SKIP and a.values.get("joined", 0.0):
+            return Action.NONE, None  # a part of the model starts training: its update is the run's own
         if action is Action.SKIP and self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None  # the run recovering from its own large update: let it
         if action is not Action.SKIP or self.outliers <= self.cfg.outlier_skips:
@@ -429,8 +430,8 @@ class Policy:
             return
         if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions or self.probe is not None and self.probe[0] == t:
             self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
-        if ev.grad_ratio >= _OWN_STEP_RATIO and Action.CLIP not in actions:
-            self.big_applied = t
+        if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions:
+            self.big_applied = t  # an outlier-sized update of the run's own: what follows may be its recovery
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""

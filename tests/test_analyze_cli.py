@@ -303,9 +303,10 @@ def test_plot_legend_lists_only_what_is_drawn(tmp_path):
     g[150] *= 8
     spike = "step,loss,grad_norm\n" + "".join(f"{s},2.5,{g[s]:.5f}\n" for s in range(300))
     assert _legend(tmp_path, spike) == ["grad norm", "loss", "info alert"]
-    # a collapse with a warning ahead of it
+    # a collapse with a warning ahead of it (the diverged loss is a warning too: a rewind, live, is
+    # the guard's critical event)
     assert _legend(tmp_path, write_run(tmp_path / "x.csv").read_text()) == [
-        "grad norm", "loss", "warning", "critical", "collapse", "first warning to collapse"]
+        "grad norm", "loss", "warning", "collapse", "first warning to collapse"]
 
 
 def test_help_texts_match_the_api(tmp_path):

@@ -263,7 +263,7 @@ def test_policy_skip_of_a_finite_spike_is_not_reported_as_a_skip_in_async_mode()
         if i == 45:
             assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # applied
     ew.flush()
-    assert any(e.kind is Kind.GRAD_SPIKE for e in ew.events)
+    assert any(e.kind is Kind.GRAD_OUTLIER for e in ew.events)  # a 1e4x gradient: an outlier, read after its update
     assert not [e for e in ew.events if e.kind is Kind.SKIP] and ew.counters["skipped_steps"] == 0
     ew.close()
 

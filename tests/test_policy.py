@@ -231,10 +231,11 @@ def test_outliers_right_after_a_large_update_of_the_runs_own_are_applied():
     from earlywarn.policy import Evidence
 
     p = Policy()
-    # a part unfrozen: its first update carries a 15x gradient (no outlier: new layers joined) ...
-    assert not p.decide(50, [], Evidence(15.0, 1.0)).actions
+    # a part unfrozen: its first update carries a 25x gradient, new layers joined: applied ...
+    joined = [ev(50, Kind.GRAD_OUTLIER, ratio=25.0, loss_ratio=1.0, steps=1, joined=1.0)]
+    assert not p.decide(50, joined, Evidence(25.0, 1.0)).actions
     # ... and the run recovering from it has large gradients for a while: applied, as a bare run would
-    out = lambda s: [ev(s, Kind.GRAD_OUTLIER, ratio=12.0, loss_ratio=6.0, steps=s - 50)]
+    out = lambda s: [ev(s, Kind.GRAD_OUTLIER, ratio=22.0, loss_ratio=6.0, steps=s - 49)]
     assert all(not p.decide(s, out(s), Evidence(12.0, 6.0)).actions for s in range(51, 70))
 
 

@@ -184,15 +184,16 @@ class DetectorConfig:
     together on ordinary batches). Counts layers at or above ``warn_ratio``. Per-layer signals
     otherwise never warn on their own; they name the layer that moved first."""
 
-    outlier_ratio: float = 10.0
+    outlier_ratio: float = 20.0
     """A finite global gradient norm that is elevated and at least this many times its typical
     value is an *outlier*: a GRAD_OUTLIER warning at its own step, read before its update (the
     guard skips that update by default: an Adam second moment inflated by a 1e4x gradient
-    stalls the run for thousands of steps). ``values["steps"]`` counts outliers in a row and
-    ``values["loss_ratio"]`` says whether the loss moved too (a corrupt batch) or not. A step on
-    which layers that had no gradient get one (a frozen part unfrozen) is no outlier. On the
-    generated runs of ``benchmarks/rescue.py`` healthy runs reach 15x on one step at most (an
-    outlier batch, a late unfreeze) and faults 20x-1e6x. ``inf`` turns the rule off."""
+    stalls the run for thousands of steps). ``values["steps"]`` counts outliers in a row,
+    ``values["loss_ratio"]`` says whether the loss moved too, ``values["joined"]`` whether layers
+    that had no gradient got one (a part unfrozen: its update is the run's own, the guard applies
+    it). On the generated runs of ``benchmarks/rescue.py`` healthy runs reach 10-16x on one step
+    (an outlier batch, a late unfreeze, a domain switch of the inputs) and faults 40x-1e6x.
+    ``inf`` turns the rule off."""
 
     init_loss_ratio: float = 3.0
     """The first steps are watched too: until the loss has a baseline (``warmup_steps`` values),

@@ -343,13 +343,14 @@ def critical(t: Thresholds, w: Work, obs: Observation, bad: Trouble, d: Deviatio
 def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Trouble) -> list[Event]:
     """GRAD_OUTLIER: the global gradient norm elevated and ``outlier_ratio`` times its typical
     value or more, reported at its own step (the guard reads it before the update)."""
-    if bad.skipped or not d.elevated[GRAD] or d.dev[GRAD] < t.log_outlier or _layers_joined(w, d):
+    if bad.skipped or not d.elevated[GRAD] or d.dev[GRAD] < t.log_outlier:
         w.outliers = 0
         return []
     w.outliers += 1
     w.ep_warned = True  # said now, at the step itself: no spike info when the episode ends
     loss_ratio = math.exp(float(d.dev[LOSS])) if d.judged[LOSS] else NAN
-    return [messages.outlier_event(obs, w, float(d.dev[GRAD]), loss_ratio, ordered_layers(w, d, t.cfg.max_layers_listed))]
+    return [messages.outlier_event(obs, w, float(d.dev[GRAD]), loss_ratio, ordered_layers(w, d, t.cfg.max_layers_listed),
+                                   joined=_layers_joined(w, d))]
 
 
 def _layers_joined(w: Work, d: Deviations) -> bool:

@@ -137,20 +137,23 @@ def spike_event(obs: Observation, w: Work) -> Event:
         batch=obs.batch)
 
 
-def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, layers: tuple[str, ...]) -> Event:
-    """GRAD_OUTLIER: a finite gradient far above its typical norm, at its own step."""
+def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, layers: tuple[str, ...],
+                  joined: bool = False) -> Event:
+    """GRAD_OUTLIER: a finite gradient far above its typical norm, at its own step. ``joined``:
+    layers that had no gradient at the last step have one now (a part of the model unfrozen)."""
     base = math.exp(float(w.baseline[GRAD]))
     ratio = math.exp(dev)
     where = f", first in {layers[0]}" if layers else ""
     run = f" ({w.outliers} in a row)" if w.outliers > 1 else ""
     loss = ("; the loss too is " + times(loss_ratio) + " its baseline") if loss_ratio == loss_ratio and loss_ratio >= 1.5 else ""
+    why = (" Layers without a gradient before have one now: a part of the model starts training." if joined else
+           " Applied, it would inflate the optimizer's moments for thousands of steps.")
     return Event(
         step=int(obs.step), kind=Kind.GRAD_OUTLIER, level=Level.WARNING, signal="grad_norm", layers=layers,
         message=(f"Outlier gradient at step {obs.step}: grad_norm {fmt(ratio * base)} is {times(ratio)} its "
-                 f"typical {fmt(base)}{where}{run}{loss}. Applied, it would inflate the optimizer's moments "
-                 "for thousands of steps."),
+                 f"typical {fmt(base)}{where}{run}{loss}.{why}"),
         values={"ratio": ratio, "value": ratio * base, "baseline": base, "loss_ratio": loss_ratio,
-                "steps": float(w.outliers)},
+                "steps": float(w.outliers), "joined": float(joined)},
         batch=obs.batch)
 
 
