@@ -289,7 +289,8 @@ class Policy:
         self.outliers = 0  # outliers in a row
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
-        self.probe: tuple[int, float] | None = None  # (tick of an LR jump, the highest LR survived before it)
+        # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
+        self.probe: tuple[int, int, float] | None = None
         self.lrs: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_lookback + 16)  # (tick, LR taken)
 
     def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
@@ -328,7 +329,7 @@ class Policy:
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and a.signal == "lr" and cfg.lr_probe_steps:
-                self.probe, lr_copy = (t, float(a.values.get("baseline", math.nan))), True
+                self.probe, lr_copy = self._jump(t, float(a.values.get("baseline", math.nan))), True
             if action is Action.REWIND:
                 triggers.append(str(a.kind))
             if action is not Action.NONE:
@@ -341,6 +342,8 @@ class Policy:
             wanted.setdefault(Action.REWIND, f"{streak} non-finite steps in a row")
         if self.probe is not None and not lr_copy:
             probe_back, ceiling = self._probe(alerts, evidence, t, nonfinite_now or skipped)
+            if self.probe is not None and evidence.lr <= 2.0 * self.probe[2]:
+                self.probe = None  # the learning rate came back: the jump is over, taken calmly
             if probe_back:
                 triggers.append("lr_jump")
                 wanted.setdefault(Action.REWIND, f"the run became unstable {probe_back - 1} step(s) after "
@@ -404,19 +407,24 @@ class Policy:
                        "rising learning rate before it (a change in the data?); a rewind would meet the same data again")
         return Action.NONE, 0, False
 
+    def _jump(self, t: int, survived: float) -> tuple[int, int, float]:
+        """An LR jump: watched from now; a jump still in force (the alert repeats while the LR stays
+        up) keeps its first step and the LR survived before it, where a rewind goes back to."""
+        p = self.probe
+        return (t, t, survived) if p is None else (t, p[1], p[2])
+
     def _probe(self, alerts: list[Event], ev: Evidence, t: int, bad: bool) -> tuple[int, float | None]:
         """The steps after an LR jump: unstable -> (steps back to the jump, the LR to hold)."""
         cfg = self.cfg
-        t0, survived = self.probe  # type: ignore[misc]
+        t0, first, survived = self.probe  # type: ignore[misc]
         if t - t0 > cfg.lr_probe_steps:
-            self.probe = None  # taken calmly: the run keeps the new learning rate
-            return 0, None
+            return 0, None  # taken calmly so far (the LR still up: a repeated alert watches again)
         unstable = (bad or ev.grad_ratio >= cfg.lr_probe_grad_ratio or ev.loss_ratio >= cfg.lr_probe_loss_ratio
                     or any(x.level >= Level.WARNING and x.kind in _KIND_FIELD for x in alerts))
         if not unstable:
             return 0, None
         self.probe = None
-        return t - t0, survived if survived == survived and survived > 0 else None
+        return t - first, survived if survived == survived and survived > 0 else None
 
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
@@ -428,7 +436,7 @@ class Policy:
                 self.abnormal, self.probe, self.outliers, self.big_applied = None, None, 0, None
                 self.lrs.clear()
             return
-        if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions or self.probe is not None and self.probe[0] == t:
+        if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions or self.probe is not None and self.probe[1] == t:
             self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
         if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions:
             self.big_applied = t  # an outlier-sized update of the run's own: what follows may be its recovery
@@ -498,6 +506,6 @@ class Policy:
         self.big_applied = None if d.get("big_applied") is None else int(d["big_applied"])
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
-        self.probe = None if probe is None else (int(probe[0]), float(probe[1]))
+        self.probe = None if probe is None else (int(probe[0]), int(probe[1]), float(probe[2]))
         self.lrs.clear()
         self.lrs.extend((int(k), float(lr)) for k, lr in d.get("lrs", []))

@@ -271,11 +271,21 @@ def test_an_lr_jump_is_copied_and_watched_and_an_unstable_run_rewinds_with_the_l
     d = p.decide(52, [], Evidence(6.0, 1.1))  # two steps after the jump the gradient is 6x
     assert d.actions == (Action.REWIND,) and d.lr_ceiling == 1e-3 and d.onset_back == 2
     assert d.rewind_triggers == ("lr_jump",)
-    # a jump the run takes calmly is kept
+    # a jump the run takes calmly is kept; once the LR is back, the jump is over
     p = Policy()
     p.decide(50, jump)
-    assert all(not p.decide(s, [], Evidence(1.3, 1.05)).actions for s in range(51, 60))
+    assert all(not p.decide(s, [], Evidence(1.3, 1.05, 5e-2)).actions for s in range(51, 60))
+    assert p.probe is not None  # the LR is still up
+    p.decide(60, [], Evidence(1.0, 1.0, 1e-3))
     assert p.probe is None
+    # a pulse that the alert sees again later (its LR still up) is rewound to its first step
+    p = Policy()
+    p.decide(50, jump, Evidence(1.0, 1.0, 5e-2))
+    for s in range(51, 60):
+        p.decide(s, [], Evidence(1.2, 1.0, 5e-2))
+    p.decide(60, [ev(60, Kind.COLLAPSE_RISK, signal="lr", baseline=1e-3, ratio=50.0)], Evidence(1.2, 1.0, 5e-2))
+    d = p.decide(61, [], Evidence(4.0, 1.0, 5e-2))
+    assert d.actions == (Action.REWIND,) and d.onset_back == 11 and d.lr_ceiling == 1e-3
     # the probe and the latest abnormal update survive a save and a load
     p = Policy()
     p.decide(50, jump)

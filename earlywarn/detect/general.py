@@ -354,11 +354,13 @@ def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Troubl
 
 
 def _layers_joined(w: Work, d: Deviations) -> bool:
-    """Layers that had no gradient at the last step have one now (a frozen part unfrozen): the
-    global norm's jump is theirs, a new regime rather than an outlier."""
+    """Layers that never had a gradient have one now (a frozen part unfrozen): the global norm's
+    jump is theirs, the run's own. (A layer back from one step at 0 -- dead units under a corrupt
+    batch -- has a history: it does not count.)"""
     if not w.n_layers or not w.has_dev:
         return False
-    return bool(np.any(d.present[N_FIXED:w.layers_end] & ~w.layer_present))
+    le = w.layers_end
+    return bool(np.any(d.present[N_FIXED:le] & ~w.layer_present & (w.count[N_FIXED:le] == 0)))
 
 
 def early(t: Thresholds, w: Work, obs: Observation, d: Deviations, v: Values) -> list[Event]:
