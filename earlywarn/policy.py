@@ -328,8 +328,9 @@ class Policy:
                 action, clip = self._outlier(a, action, t)
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
-            elif a.kind is Kind.COLLAPSE_RISK and a.signal == "lr" and cfg.lr_probe_steps:
-                self.probe, lr_copy = self._jump(t, float(a.values.get("baseline", math.nan))), True
+            elif a.kind is Kind.COLLAPSE_RISK and "lr_ref" in a.values and cfg.lr_probe_steps:
+                lr_copy = self.probe is None  # a new jump: the state before it; one still in force has its copy
+                self.probe = self._jump(t, float(a.values["lr_ref"]))
             if action is Action.REWIND:
                 triggers.append(str(a.kind))
             if action is not Action.NONE:
@@ -340,7 +341,7 @@ class Policy:
         if cfg.rewind_after_nonfinite and streak >= cfg.rewind_after_nonfinite:
             triggers.append("nonfinite_streak")
             wanted.setdefault(Action.REWIND, f"{streak} non-finite steps in a row")
-        if self.probe is not None and not lr_copy:
+        if self.probe is not None and self.probe[0] != t:
             probe_back, ceiling = self._probe(alerts, evidence, t, nonfinite_now or skipped)
             if self.probe is not None and evidence.lr <= 2.0 * self.probe[2]:
                 self.probe = None  # the learning rate came back: the jump is over, taken calmly

@@ -263,7 +263,7 @@ def test_a_diverged_loss_is_rewound_only_after_an_abnormal_update_and_to_before_
 def test_an_lr_jump_is_copied_and_watched_and_an_unstable_run_rewinds_with_the_lr_held():
     from earlywarn.policy import Evidence
 
-    jump = [ev(50, Kind.COLLAPSE_RISK, signal="lr", baseline=1e-3, ratio=50.0)]
+    jump = [ev(50, Kind.COLLAPSE_RISK, signal="lr", baseline=1e-3, ratio=50.0, lr_ref=1e-3, lr_jump_ratio=50.0)]
     p = Policy()
     d = p.decide(50, jump)
     assert d.lr_copy and Action.CHECKPOINT in d  # a clean copy before the jump's update
@@ -283,7 +283,7 @@ def test_an_lr_jump_is_copied_and_watched_and_an_unstable_run_rewinds_with_the_l
     p.decide(50, jump, Evidence(1.0, 1.0, 5e-2))
     for s in range(51, 60):
         p.decide(s, [], Evidence(1.2, 1.0, 5e-2))
-    p.decide(60, [ev(60, Kind.COLLAPSE_RISK, signal="lr", baseline=1e-3, ratio=50.0)], Evidence(1.2, 1.0, 5e-2))
+    p.decide(60, [ev(60, Kind.COLLAPSE_RISK, signal="lr", baseline=1e-3, ratio=50.0, lr_ref=1e-3)], Evidence(1.2, 1.0, 5e-2))
     d = p.decide(61, [], Evidence(4.0, 1.0, 5e-2))
     assert d.actions == (Action.REWIND,) and d.onset_back == 11 and d.lr_ceiling == 1e-3
     # the probe and the latest abnormal update survive a save and a load
@@ -307,3 +307,15 @@ def test_a_divergence_a_rising_learning_rate_led_into_is_rewound_with_the_lr_hel
     for s in range(100):
         p.decide(s, [], Evidence(1.0, 1.0, 1e-3))
     assert not p.decide(100, [ev(100, Kind.LOSS_DIVERGED, steps=8)], Evidence(3.0, 5.0, 1e-3)).actions
+
+
+def test_an_lr_jump_told_by_a_warning_of_another_rule_is_watched_too():
+    from earlywarn.policy import Evidence
+
+    # the gradient and the loss rising together at the very step the LR jumped: one warning (the
+    # together rule's), which says the LR jumped too -- the jump is copied and watched all the same
+    together = [ev(50, Kind.COLLAPSE_RISK, signal="grad_norm", ratio=8.0, lr_ref=1e-3, lr_jump_ratio=60.0)]
+    p = Policy()
+    assert p.decide(50, together, Evidence(8.0, 1.6, 6e-2)).lr_copy
+    d = p.decide(51, [], Evidence(5.0, 1.7, 6e-2))
+    assert d.actions == (Action.REWIND,) and d.lr_ceiling == 1e-3 and d.onset_back == 1

@@ -50,7 +50,7 @@ def warning_event(obs: Observation, w: Work, chosen: "Chosen", d: "Deviations", 
         return c if c < N_FIXED else N_FIXED + c - le
 
     if rule == "user_value":
-        return _user_value_event(obs, w, chan, float(v.given[run_index(chan)]))
+        return _with_lr_jump(_user_value_event(obs, w, chan, float(v.given[run_index(chan)])), lr_jump)
     if rule == "lr_jump":
         return _lr_jump_event(obs, *lr_jump)
     dev, z = d.dev, d.z
@@ -82,7 +82,7 @@ def warning_event(obs: Observation, w: Work, chosen: "Chosen", d: "Deviations", 
     else:
         msg = f"{chosen.hot_layers} layers jumped together{where}; collapse risk, {_ACT}."
     zc = float(z[chan])
-    return Event(
+    return _with_lr_jump(Event(
         step=int(obs.step), kind=Kind.COLLAPSE_RISK, level=Level.WARNING, message=msg,
         signal=signal, layers=layers,
         values={"value": value, "baseline": base, "ratio": ratio,
@@ -90,7 +90,18 @@ def warning_event(obs: Observation, w: Work, chosen: "Chosen", d: "Deviations", 
                 "cusum": float(ev.joint if rule == "together" else ev.cusums[run_index(chan)]),
                 "steps": float(max(streak[chan], grow[chan])),
                 "layers_elevated": float(int(np.count_nonzero(d.elevated[N_FIXED:le])))},
-        batch=obs.batch)
+        batch=obs.batch), lr_jump)
+
+
+def _with_lr_jump(e: Event, lr_jump: tuple[float, float] | None) -> Event:
+    """A warning of another rule on a step whose learning rate jumped says so too (one warning a
+    step: the guard must still know of the jump)."""
+    if lr_jump is None:
+        return e
+    lr, ref = lr_jump
+    return Event(step=e.step, kind=e.kind, level=e.level, signal=e.signal, layers=e.layers, batch=e.batch,
+                 message=e.message + f" The learning rate jumped too, to {times(lr / ref)} the highest it had run at.",
+                 values={**e.values, "lr_jump_ratio": lr / ref, "lr_ref": ref})
 
 
 def _user_value_event(obs: Observation, w: Work, c: int, v: float) -> Event:
@@ -110,7 +121,7 @@ def _lr_jump_event(obs: Observation, lr: float, ref: float) -> Event:
                  f"({fmt(ref)} -> {fmt(lr)}); collapse risk, save a checkpoint now and be "
                  "ready to rewind; check the LR schedule."),
         values={"value": lr, "baseline": ref, "ratio": lr / ref, "z": NAN, "cusum": NAN,
-                "steps": 1.0, "layers_elevated": 0.0},
+                "steps": 1.0, "layers_elevated": 0.0, "lr_jump_ratio": lr / ref, "lr_ref": ref},
         batch=obs.batch)
 
 
