@@ -26,11 +26,15 @@ summing the vector over ranks (``capture.distributed``, one all-reduce) gives ex
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
 
 import torch
 
 from earlywarn.capture.grouping import LayerMap
+from earlywarn.capture.norms import NormPlan
 
 try:  # torch builds without distributed support have no DTensor (and no sharded gradients)
     from torch.distributed.tensor import DTensor
@@ -106,12 +110,16 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
     return torch.float32
 
 
+_GRAD = operator.attrgetter("grad")
+
+
 @dataclass
 class _Group:
     device: torch.device
     dtype: torch.dtype
     sparse: bool
     members: list[int]  # positions in GradStats._present
+    plan: NormPlan | None = None  # dense groups: how their norms are taken (capture/norms.py)
 
 
 class GradStats:
@@ -124,9 +132,10 @@ class GradStats:
         self.layer_map = layer_map
         self.exact = exact
         self._key: tuple[bool, ...] | None = None
-        self._all_present = False  # the last key had every parameter (then only that is re-checked)
+        self._nones = -1  # parameters without a gradient when the plan was made (-1: no plan yet)
         self._simple = False
         self._present: list[int] = []
+        self._pick: Any = None  # the gradients of _present, in C (operator.itemgetter)
         self._groups: list[_Group] = []
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self._index: torch.Tensor | None = None
@@ -140,32 +149,51 @@ class GradStats:
         """Where the statistics vector lives."""
         return self._device
 
-    def _grads(self) -> list[torch.Tensor]:
-        params = self.layer_map.params
-        grads = [p.grad for p in params]
-        if self._all_present and not any(g is None for g in grads):
-            return grads  # the common step: every parameter has a gradient, the plan stands
-        key = tuple(g is not None for g in grads)
+    def _grads(self) -> "list[torch.Tensor] | tuple[torch.Tensor, ...]":
+        """This step's gradients of the planned parameters (identity tests only, in C: ``None in
+        grads`` would call ``Tensor.__eq__`` on every gradient)."""
+        grads = list(map(_GRAD, self.layer_map.params))
+        if self._nones == 0:
+            if not any(map(operator.is_, grads, repeat(None))):
+                return grads  # the common step: every parameter has a gradient, the plan stands
+        elif self._nones > 0:
+            present = self._pick(grads)
+            if (not any(map(operator.is_, present, repeat(None)))
+                    and sum(map(operator.is_, grads, repeat(None))) == self._nones):
+                return present  # the same parameters lack a gradient as when the plan was made
+        key = tuple(map(operator.is_not, grads, repeat(None)))
         if key != self._key:
-            # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
-            self._key = key
-            self._present = [i for i, has in enumerate(key) if has]
-            groups: dict[tuple, _Group] = {}
-            for pos, i in enumerate(self._present):
-                g = _local(params[i].grad)  # type: ignore[arg-type]
-                k = (g.device, g.dtype, g.is_sparse)
-                groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
-            self._groups = list(groups.values())
-            self._index = None
-            self._weights = None
-            # one group, plain tensors: the gradient list goes to the norm kernel as it is
-            self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
-        self._all_present = all(key)
-        return grads if self._all_present else [grads[i] for i in self._present]  # type: ignore[misc]
+            self._replan(key, grads)
+        self._nones = key.count(False)
+        return grads if not self._nones else self._pick(grads)
+
+    def _replan(self, key: tuple[bool, ...], grads: list[torch.Tensor | None]) -> None:
+        # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
+        self._key = key
+        self._present = [i for i, has in enumerate(key) if has]
+        self._pick = operator.itemgetter(*self._present) if len(self._present) > 1 else (
+            (lambda xs, i=self._present[0]: (xs[i],)) if self._present else (lambda xs: ()))
+        groups: dict[tuple, _Group] = {}
+        for pos, i in enumerate(self._present):
+            g = _local(grads[i])  # type: ignore[arg-type]
+            k = (g.device, g.dtype, g.is_sparse)
+            groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
+        self._groups = list(groups.values())
+        for grp in self._groups:
+            if not grp.sparse:
+                grp.plan = NormPlan([_local(grads[self._present[m]]) for m in grp.members])  # type: ignore[arg-type]
+        self._index = None
+        self._weights = None
+        # one group, plain tensors: the gradient list goes to the norm plan as it is
+        self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
 
     def _order(self) -> list[int]:
         # positions in _present, in the order the per-tensor results are concatenated
-        return [m for grp in self._groups for m in grp.members]
+        out = []
+        for grp in self._groups:
+            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
+            out += [grp.members[j] for j in order]
+        return out
 
     def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
         if not self.sharded:
@@ -207,13 +235,11 @@ class GradStats:
         for grp in self._groups:
             grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
             acc = _acc_dtype(grp.device, grp.dtype, exact)
-            if grp.sparse:
-                norms = [torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads]
-            elif acc is None:
-                norms = torch._foreach_norm(grads, 2)
+            if grp.plan is None:  # sparse
+                norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
             else:
-                norms = torch._foreach_norm(grads, 2, dtype=acc)
-            parts.append(to_device(torch.stack(norms), self._device, dtype))
+                norms = grp.plan.norms(grads, acc)
+            parts.append(to_device(norms, self._device, dtype))
         per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
@@ -233,7 +259,8 @@ class GradStats:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         parts = []
         for grp in self._groups:
-            grads = [_local(dgrads[m]) for m in grp.members]
+            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
+            grads = [_local(dgrads[grp.members[j]]) for j in order]  # the norms' order (see _order)
             values = [g.coalesce()._values() if grp.sparse else g for g in grads]
             counts = torch.stack([torch.isfinite(v).logical_not_().sum() for v in values])
             parts.append(to_device(counts, self._device, dtype))
