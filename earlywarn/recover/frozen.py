@@ -69,6 +69,9 @@ class FrozenRefs:
         self._seen: dict[int, int] = {id(p): p._version for p in model.parameters() if not p.requires_grad}
         self._hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._hooks: list[Any] = []
+        # every name a parameter has (tied weights have several), walked once: a snapshot then
+        # looks at the frozen ones by name instead of walking the model
+        self._named = list(model.named_parameters(remove_duplicate=False))
         self.hook(optimizer)
 
     def hook(self, optimizer: torch.optim.Optimizer) -> None:
@@ -86,18 +89,28 @@ class FrozenRefs:
     def shared(self, model: torch.nn.Module, sd: Mapping[str, Any]) -> set[int]:
         """ids of the ``sd`` values (a ``model.state_dict()``) that are frozen parameters never
         written since first seen: what :func:`~earlywarn.recover._state.to_host` keeps as it is."""
-        frozen = {_storage(p): p for p in model.parameters()
-                  if not p.requires_grad and local(p).numel() > 0 and self._static(p)}
-        if not frozen:
-            return set()
-        ids = set()
-        for v in sd.values():
-            p = frozen.get(_storage(v)) if isinstance(v, torch.Tensor) else None
-            if p is not None:
-                ids.add(id(v))
-                if id(p) not in self._refs:
-                    self._refs[id(p)] = (p, p._version)
+        ids: set[int] = set()
+        scan: dict[tuple, torch.nn.Parameter] = {}  # frozen ones not found under their names
+        for name, p in self._named:  # (parameters added after watch() are copied: never wrong)
+            if p.requires_grad or local(p).numel() == 0 or not self._static(p):
+                continue
+            v = sd.get(name)
+            key = _storage(p)
+            if isinstance(v, torch.Tensor) and _storage(v) == key:
+                self._reference(p, v, ids)
+            else:
+                scan[key] = p
+        if scan:  # a state_dict that names them otherwise: found by storage
+            for v in sd.values():
+                p = scan.get(_storage(v)) if isinstance(v, torch.Tensor) else None
+                if p is not None:
+                    self._reference(p, v, ids)
         return ids
+
+    def _reference(self, p: torch.nn.Parameter, v: torch.Tensor, ids: set[int]) -> None:
+        ids.add(id(v))
+        if id(p) not in self._refs:
+            self._refs[id(p)] = (p, p._version)
 
     def hold(self, host: HostCopy, shared: set[int]) -> None:
         """``host`` references the frozen parameters ``shared`` names (its own bytes exclude them)."""
