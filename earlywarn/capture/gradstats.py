@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
 
-def _stat_dtype(device: torch.device) -> torch.dtype:
+def stat_dtype(device: torch.device) -> torch.dtype:
     # float64 so that squaring a large-but-finite norm cannot overflow into a false "non-finite";
     # it is a vector of a few dozen numbers, so the precision is free. MPS has no float64.
     return torch.float32 if device.type == "mps" else torch.float64
@@ -111,6 +111,7 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
 
 
 _GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
 
 
 @dataclass
@@ -139,6 +140,9 @@ class GradStats:
         self._groups: list[_Group] = []
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self._index: torch.Tensor | None = None
+        self._index_present: torch.Tensor | None = None
+        self._shareable = False
+        self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
         self._world = torch.distributed.get_world_size() if self.sharded else 1
@@ -182,10 +186,12 @@ class GradStats:
         for grp in self._groups:
             if not grp.sparse:
                 grp.plan = NormPlan([_local(grads[self._present[m]]) for m in grp.members])  # type: ignore[arg-type]
-        self._index = None
+        self._index = self._index_present = None
         self._weights = None
         # one group, plain tensors: the gradient list goes to the norm plan as it is
         self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
+        # ... and the loop's clip, which takes the norms in the gradients' own precision, can lend its own
+        self._shareable = self._simple and self._groups[0].dtype in (torch.float32, torch.float64)
 
     def _order(self) -> list[int]:
         # positions in _present, in the order the per-tensor results are concatenated
@@ -203,58 +209,90 @@ class GradStats:
             self._weights = to_device(w, self._device)
         return self._weights
 
-    def _per_layer(self, per_tensor: torch.Tensor) -> torch.Tensor:
+    def _per_layer(self, per_tensor: torch.Tensor, *, as_present: bool = False) -> torch.Tensor:
         """Per-tensor values -> per-layer sums, in a fixed order on every run and rank: a gather
         into a (layers x widest layer) table padded with zeros, then row sums (``index_add_``
-        uses atomics on CUDA, whose order -- and so the last bits -- can differ between ranks)."""
-        if self._index is None:
+        uses atomics on CUDA, whose order -- and so the last bits -- can differ between ranks).
+        ``as_present``: the values come in the parameters' order, not the norm plan's."""
+        index = self._index_present if as_present else self._index
+        if index is None:
             layer_of = self.layer_map.layer_of
             rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
-            for col, pos in enumerate(self._order()):
+            for col, pos in enumerate(range(len(self._present)) if as_present else self._order()):
                 rows[layer_of[self._present[pos]]].append(col)
             pad = len(self._present)  # the appended zero
             width = max(1, max(len(r) for r in rows))
             table = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
-            self._index = to_device(table, self._device)
+            index = to_device(table, self._device)
+            if as_present:
+                self._index_present = index
+            else:
+                self._index = index
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
-        return padded[self._index].sum(dim=1)
+        return padded[index].sum(dim=1)
 
-    def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None) -> torch.Tensor:
+    def _shared(self, dgrads: Any, shared: "tuple[list[int], list[torch.Tensor], list[int]]") -> torch.Tensor | None:
+        """This step's per-tensor norms from the loop's clip (its own norm pass, before it scaled
+        the gradients), in the parameters' order; ``None`` when they do not serve: a gradient
+        the clip did not cover or that was written since (its version moved), or norms of another
+        precision than this plan's (half-precision gradients, exact float64 statistics, several
+        devices, sharded or sparse gradients)."""
+        if not self._shareable:
+            return None
+        ids, norms, versions = shared
+        mine = list(map(id, dgrads))
+        if mine != ids:  # the clip covered other parameters too, or in another order
+            where = dict(zip(ids, range(len(ids))))
+            idx = list(map(where.get, mine))
+            if None in idx:
+                return None
+            norms, versions = [norms[i] for i in idx], [versions[i] for i in idx]
+        if list(map(_VERSION, dgrads)) != versions:
+            return None  # a gradient written after the clip (a fault injected, an edit): read it anew
+        return to_device(torch.stack(norms), self._device, stat_dtype(self._device))
+
+    def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None,
+                       shared: "tuple[list[int], list[torch.Tensor], list[int]] | None" = None) -> torch.Tensor:
         """Squared L2 norm of each layer's gradient, shape ``(num_layers,)``, on :attr:`device`.
 
         ``inv_scale`` (a device scalar) unscales gradients that a fused optimizer will unscale
         itself inside its kernel (GradScaler + fused Adam leaves them scaled). ``exact``:
-        float64 accumulation on every device for this call (the rare-path recount).
+        float64 accumulation on every device for this call (the rare-path recount). ``shared``:
+        ``(ids, norms, versions)`` the loop's clip took of these gradients (``capture.clipping``):
+        used instead of a norm pass of our own where they serve.
         """
         exact = self.exact if exact is None else exact
         dgrads = self._grads()
-        dtype = _stat_dtype(self._device)
+        dtype = stat_dtype(self._device)
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
-        parts = []
-        for grp in self._groups:
-            grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
-            acc = _acc_dtype(grp.device, grp.dtype, exact)
-            if grp.plan is None:  # sparse
-                norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
-            else:
-                norms = grp.plan.norms(grads, acc)
-            parts.append(to_device(norms, self._device, dtype))
-        per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
+        as_present = self.last_shared = per_tensor is not None
+        if per_tensor is None:
+            parts = []
+            for grp in self._groups:
+                grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
+                acc = _acc_dtype(grp.device, grp.dtype, exact)
+                if grp.plan is None:  # sparse
+                    norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
+                else:
+                    norms = grp.plan.norms(grads, acc)
+                parts.append(to_device(norms, self._device, dtype))
+            per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
-        weight = self._weight(dgrads, dtype)
+        weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
         if weight is not None:
             sq = sq * weight
-        return self._per_layer(sq)
+        return self._per_layer(sq, as_present=as_present)
 
     def layer_nonfinite_counts(self) -> torch.Tensor:
         """Count of non-finite gradient elements per layer (a second pass: only on a bad step).
 
         Sharded: counts of this rank's shards, weighted like the norms (sum over ranks = global)."""
         dgrads = self._grads()
-        dtype = _stat_dtype(self._device)
+        dtype = stat_dtype(self._device)
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         parts = []
