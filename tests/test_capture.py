@@ -85,6 +85,39 @@ def test_per_layer_sum_is_exact_and_repeatable_and_follows_unused_parameters():
     assert counts.tolist() == [0.0] * lm.num_layers
 
 
+def test_many_small_cpu_tensors_are_stacked_by_shape_bit_for_bit_and_counted_in_place():
+    # 40 residual blocks of Linear(8, 8): 80 small tensors in 2 shapes, plus one larger weight
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)], nn.Linear(8, 600, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lm = build_layer_map(model, opt)
+    stats = GradStats(lm)
+    model(torch.randn(4, 8)).square().mean().backward()
+    with Ops() as ops:
+        sq = stats.layer_sq_norms()
+    # per shape one stack and one row-wise norm; only the tensor alone of its shape takes _foreach_norm
+    assert ops.names.count("stack") >= 2 and ops.names.count("linalg_vector_norm") == 2
+    grads = [p.grad for p in lm.params]
+    exact = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square()
+    per_layer = torch.zeros(lm.num_layers, dtype=torch.float64).index_add_(0, torch.tensor(lm.layer_of), exact)
+    assert torch.equal(sq, per_layer)  # the same values as one _foreach_norm, bit for bit
+    bad = next(i for i, p in enumerate(lm.params) if p is model[17].bias)
+    lm.params[bad].grad[3] = math.nan
+    counts = stats.layer_nonfinite_counts()
+    assert counts.nonzero().flatten().tolist() == [lm.layer_of[bad]] and counts.sum().item() == 1
+
+
+def test_the_plan_follows_which_parameters_lack_a_gradient_not_only_how_many():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lm = build_layer_map(model, opt)
+    stats = GradStats(lm)
+    model(torch.randn(2, 4)).sum().backward()
+    for drop in ([model[0].weight], [model[1].weight], [], [model[2].bias, model[0].bias]):
+        for p in lm.params:  # as many gradients missing as the step before, but others
+            p.grad = None if any(p is d for d in drop) else torch.randn_like(p)
+        np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
+
+
 def test_sparse_and_complex_gradients_are_measured_and_counted():
     emb = nn.Embedding(10, 4, sparse=True)
     lin = nn.Linear(4, 4).to(torch.complex64)

@@ -171,3 +171,43 @@ def test_a_closed_watcher_no_longer_follows_the_clip():
     nn.functional.mse_loss(model(x), y).backward()
     clip_grad_norm_(model.parameters(), 1e-3)
     assert obs._record is None and obs not in clipping._observers
+
+
+def test_the_clip_and_the_watcher_share_one_norm_pass_and_the_clip_stays_torchs_bit_for_bit():
+    model, opt = model_and_opt()
+    twin, twin_opt = model_and_opt()  # the same run, read by no watcher: torch's own clip
+    ew, seen = watched(model, opt)
+    stats = ew.statistics.stats
+    raw = []
+    for x, y in batches(4):
+        for m in (model, twin):
+            m.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        raw.append(math.sqrt(sum(v * v for v in layer_norms(model))))
+        assert torch.equal(clip_grad_norm_(model.parameters(), 1e-3), clip_grad_norm_(twin.parameters(), 1e-3))
+        opt.step()
+        twin_opt.step()
+        assert stats.last_shared  # the statistics took the clip's per-tensor norms: no pass of their own
+    assert [o.grad_norm for o in seen] == pytest.approx(raw, rel=1e-6)
+    # a gradient written after the clip: its norms are stale, the statistics take their own
+    x, y = batches(1, seed=3)[0]
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    total = float(clip_grad_norm_(model.parameters(), 1e-3))
+    model[2].weight.grad.mul_(1e6)
+    coef = min(1.0, 1e-3 / (total + 1e-6))
+    want = math.sqrt(sum(v * v for v in layer_norms(model))) / coef  # as written, unclipped
+    opt.step()
+    assert not stats.last_shared and seen[-1].grad_norm == pytest.approx(want, rel=1e-4)
+    ew.close()
+
+
+def test_the_shared_norm_pass_is_torchs_own_computation():
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g, dtype=torch.float64),
+               torch.randn(4, 4, generator=g).bfloat16(), torch.randn(2, generator=g), torch.randn(0)]
+    total, norms = clipping._norms_as_torch_takes_them(tensors, 2.0, None)
+    assert torch.equal(total, clipping._original_norm(tensors, 2.0))
+    for t, n in zip(tensors, norms):
+        assert torch.equal(n, torch.linalg.vector_norm(t))
+    assert clipping._norms_as_torch_takes_them(tensors, 1.0, None) is None  # other norms: torch's path

@@ -327,3 +327,19 @@ def test_quarantine_and_batch_refs_write_what_is_known_only():
     q = QuarantineRecord(9, "loss_diverged", None, None, None, 7, "ab12")
     assert q.to_dict() == {"incident_step": 9, "reason": "loss_diverged", "step": 7, "fingerprint": "ab12"}
     assert QuarantineRecord.from_dict(q.to_dict()) == q
+
+
+def test_batch_fingerprints_are_the_values_earlier_versions_wrote():
+    # A quarantine file written by an earlier run names its batches by these values: the planned,
+    # cheaper hash (one dot product on the CPU) must give the same ones.
+    from earlywarn.recover import BatchFingerprints
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, 64), generator=g)
+    images = torch.randn(4, 3, 5, generator=g)
+    fp = BatchFingerprints()
+    for step, batch in enumerate([ids, images, (ids, {"b": images})]):
+        fp.observe(batch)
+        fp.observe(batch)  # two micro-batches
+        fp.bind(step)
+    assert fp.read([0, 1, 2]) == {0: "f95ddc415abb7883", 1: "2732a0613e910cf2", 2: "b15079fcc6363103"}  # by the code before the plan

@@ -260,6 +260,9 @@ def test_lora_snapshots_do_not_copy_the_frozen_base(tmp_path):
     held = _host_bytes(ring, model)
     assert held <= 0.25 * frozen, f"snapshots hold {held / 1e6:.2f} MB for a {frozen / 1e6:.2f} MB frozen base"
     assert "frozen weights" in plan[0] and "are not copied" in plan[0]
+    from earlywarn.recover.frozen import frozen_refs
+    refs = frozen_refs(model, opt)
+    assert refs._refs and not refs._stepped  # the optimizer holds the adapters only: its steps check no frozen weight
     ew.close()
 
 

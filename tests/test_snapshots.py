@@ -54,6 +54,32 @@ def test_a_full_ring_recycles_the_buffers_of_the_snapshot_it_replaces():
     assert [s.step for s in ring.entries] == [50, 55]
 
 
+def test_a_recycled_snapshot_replays_its_copy_plan_and_walks_again_when_the_state_changed():
+    from earlywarn.recover.snapshot import capture_state
+
+    model, opt = _model_opt()
+    _step(model, opt)
+    first = capture_state(0, model=model, optimizer=opt, check_finite=True)
+    assert set(first.plans) >= {("model",), ("optimizer", "state")}
+    rows = [v for st in first.tree["optimizer"]["state"].values() for v in st.values() if v.dim() > 0]
+    assert any(r._base is not None for r in rows)  # small tensors of one shape: rows of one buffer
+    _step(model, opt)
+    again = capture_state(1, model=model, optimizer=opt, check_finite=True, reuse=first)
+    assert again.tree["model"] is first.tree["model"]  # the plan replayed: no walk, same buffers
+    assert again.finite() and again.owned_finite()
+    for name, t in model.state_dict().items():
+        assert torch.equal(again.tree["model"][name], t)
+    for i, st in enumerate(opt.state_dict()["state"].values()):
+        for k, v in st.items():
+            assert torch.equal(again.tree["optimizer"]["state"][i][k], v)
+    # reallocated weights (a .data swap) and poisoned state: walked again, still exact, flagged
+    model.hidden.weight.data = model.hidden.weight.data.clone()
+    next(iter(opt.state.values()))["exp_avg"].view(-1)[0] = float("nan")
+    third = capture_state(2, model=model, optimizer=opt, check_finite=True, reuse=again)
+    assert torch.equal(third.tree["model"]["hidden.weight"], model.hidden.weight)
+    assert not third.finite() and not third.owned_finite()
+
+
 def test_faster_snapshots_thin_the_newest_and_keep_the_older_ones():
     model, opt = _model_opt()
     _step(model, opt)

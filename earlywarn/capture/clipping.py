@@ -27,6 +27,7 @@ single factor), and a clip of DTensor gradients (FSDP2); there the statistics ar
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from typing import Any, Callable
@@ -34,52 +35,79 @@ from typing import Any, Callable
 import torch
 
 _lock = threading.Lock()
+_VERSION = operator.attrgetter("_version")
 _observers: "weakref.WeakSet[ClipObserver]" = weakref.WeakSet()
 _original: Callable[..., Any] | None = None
 _original_norm: Callable[..., Any] | None = None
 
 
 class _Record:
-    __slots__ = ("coef", "grad", "version")
+    """What the loop did to the gradients a watcher is about to read: their per-tensor norms as
+    the clip's own norm pass took them (``ids``: the tensors', in the same order), and the clip's
+    factor (``None`` when the norms were taken without a clip: ``get_total_norm`` alone). Valid
+    while ``grad`` is still the gradient it was, at ``version``."""
 
-    def __init__(self, coef: torch.Tensor, grad: torch.Tensor) -> None:
+    __slots__ = ("coef", "grad", "version", "ids", "norms", "versions", "total")
+
+    def __init__(self, coef: torch.Tensor | None, grad: torch.Tensor, ids: "list[int] | None" = None,
+                 norms: "list[torch.Tensor] | None" = None, versions: "list[int] | None" = None,
+                 total: torch.Tensor | None = None) -> None:
         self.coef = coef
         self.grad = weakref.ref(grad)
         self.version = grad._version
+        # the norms hold while every one of those tensors is unwritten since: their versions then
+        self.ids, self.norms, self.versions, self.total = ids, norms, versions, total
 
 
 class ClipObserver:
-    """One watcher's view of the clipping calls: :meth:`take` gives the factor that scaled the
-    gradients it is about to read, or ``None``."""
+    """One watcher's view of the clipping calls: :meth:`take` gives what the loop's clip did to
+    the gradients it is about to read (its factor, and the norms its norm pass took), or ``None``."""
 
     def __init__(self, params: "tuple[torch.nn.Parameter, ...]") -> None:
         self._params = params
         self._ids = frozenset(id(p) for p in params)
         self._record: _Record | None = None
 
-    def _clipped(self, ids: frozenset[int], max_norm: float, total_norm: torch.Tensor) -> None:
+    def _ref(self) -> torch.Tensor | None:
+        return next((p.grad for p in self._params if p.grad is not None), None)
+
+    def _normed(self, ids: list[int], norms: list[torch.Tensor], versions: list[int], total: torch.Tensor) -> None:
+        """The clip's norm pass over gradients this watcher reads (before any clip by them)."""
+        ref = self._ref()
+        self._record = None if ref is None else _Record(None, ref, ids, norms, versions, total)
+
+    def _clipped(self, ids: frozenset[int], max_norm: float, total_norm: torch.Tensor,
+                 grads: "list[torch.Tensor]") -> None:
         if not self._ids <= ids:
             return  # a clip of some of the parameters only: its factor is not this watcher's
-        ref = next((p.grad for p in self._params if p.grad is not None), None)
+        ref = self._ref()
         if ref is None:
             return
         # torch's own factor, computed the same way (unclamped below 1: clipped; 1: untouched)
         coef = torch.clamp(max_norm / (total_norm.detach() + 1e-6), max=1.0)
-        self._record = _Record(coef, ref)
+        rec = self._record
+        if rec is not None and rec.total is total_norm and rec.grad() is ref and rec.ids == list(map(id, grads)):
+            # the norms are the clip's own, pre-clip; they hold while the gradients stay as it left them
+            self._record = _Record(coef, ref, rec.ids, rec.norms, list(map(_VERSION, grads)))
+        else:
+            self._record = _Record(coef, ref)
 
-    def take(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """The clip factor of the gradients as they are now (consumed), on ``device``."""
+    def take(self, device: torch.device, dtype: torch.dtype) -> "_Record | None":
+        """What the loop did to the gradients as they are now (consumed): ``coef`` (the factor,
+        on ``device``; ``None``: not clipped) and ``ids`` / ``norms`` (the per-tensor norms the
+        clip's norm pass took before it scaled them; ``None``: not known)."""
         rec, self._record = self._record, None
         if rec is None:
             return None
-        ref = next((p.grad for p in self._params if p.grad is not None), None)
+        ref = self._ref()
         if ref is None or ref is not rec.grad() or ref._version != rec.version:
             return None  # written since the clip (a new backward, zero_grad, an unscale): stale
-        return rec.coef.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
+        if rec.coef is not None:
+            rec.coef = rec.coef.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
+        return rec
 
-    def reads(self, tensors: Any) -> bool:
-        """One of ``tensors`` is a gradient this watcher reads."""
-        ids = {id(t) for t in tensors}
+    def reads(self, ids: "set[int]") -> bool:
+        """A gradient this watcher reads is among the tensors of ``ids``."""
         return any(p.grad is not None and id(p.grad) in ids for p in self._params)
 
     def close(self) -> None:
@@ -107,10 +135,11 @@ def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(parameters, max_norm, total_norm, foreach)
         if type(total_norm) is torch.Tensor:  # a DTensor norm (FSDP2): not followed
             ids = frozenset(id(p) for p in parameters)
+            grads = [p.grad for p in parameters if p.grad is not None]  # what the clip scaled
             with _lock:
                 observers = list(_observers)
             for obs in observers:
-                obs._clipped(ids, float(max_norm), total_norm)
+                obs._clipped(ids, float(max_norm), total_norm, grads)
         return out
 
     clip_grads_with_norm_.__wrapped__ = original  # type: ignore[attr-defined]
@@ -122,18 +151,58 @@ def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def _norm_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def _get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
-        if error_if_nonfinite and not _compiling() and _observers:
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            with _lock:
-                observers = list(_observers)
-            if any(obs.reads(tensors) for obs in observers):
-                error_if_nonfinite = False  # earlywarn skips that step: no exception out of the loop
-        return original(tensors, norm_type, error_if_nonfinite, foreach)
+        if _compiling() or not _observers:
+            return original(tensors, norm_type, error_if_nonfinite, foreach)
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        with _lock:
+            observers = list(_observers)
+        ids = {id(t) for t in tensors}
+        readers = [obs for obs in observers if obs.reads(ids)]
+        if not readers:
+            return original(tensors, norm_type, error_if_nonfinite, foreach)
+        # earlywarn skips a non-finite step: no exception out of the loop (error_if_nonfinite off)
+        taken = _norms_as_torch_takes_them(tensors, float(norm_type), foreach)
+        if taken is None:
+            return original(tensors, norm_type, False, foreach)
+        total, norms = taken
+        order, versions = list(map(id, tensors)), list(map(_VERSION, tensors))
+        for obs in readers:
+            obs._normed(order, norms, versions, total)  # one norm pass serves the clip and the watcher
+        return total
 
     _get_total_norm.__wrapped__ = original  # type: ignore[attr-defined]
     _get_total_norm.__doc__ = original.__doc__
     _get_total_norm._earlywarn = True  # type: ignore[attr-defined]
     return _get_total_norm
+
+
+def _norms_as_torch_takes_them(tensors: list[torch.Tensor], norm_type: float,
+                               foreach: bool | None) -> "tuple[torch.Tensor, list[torch.Tensor]] | None":
+    """``clip_grad._get_total_norm``'s own computation (torch 2.6+), keeping the per-tensor norms
+    it takes on the way, in ``tensors``' order: the total is bit for bit torch's (a test holds
+    them to it). ``None`` where it would take another path (a 1-norm or inf-norm, DTensors, a
+    device without foreach support): torch's own function then runs instead."""
+    from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
+                                            _has_foreach_support)
+
+    if norm_type != 2.0 or not tensors or any(type(t) is not torch.Tensor for t in tensors):
+        return None
+    first_device = tensors[0].device
+    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # (the same groups)
+    norms: list[torch.Tensor] = []
+    where: list[int] = []
+    with torch.no_grad():
+        for (device, _), ([device_tensors], indices) in grouped.items():
+            if not ((foreach is None and _has_foreach_support(device_tensors, device))
+                    or (foreach and _device_has_foreach_support(device))):
+                return None
+            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+            where.extend(indices)
+        total = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    in_order: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for i, n in zip(where, norms):
+        in_order[i] = n
+    return total, in_order
 
 
 def _compiling() -> bool:

@@ -26,11 +26,15 @@ summing the vector over ranks (``capture.distributed``, one all-reduce) gives ex
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
 
 import torch
 
 from earlywarn.capture.grouping import LayerMap
+from earlywarn.capture.norms import NormPlan
 
 try:  # torch builds without distributed support have no DTensor (and no sharded gradients)
     from torch.distributed.tensor import DTensor
@@ -38,7 +42,7 @@ except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
 
-def _stat_dtype(device: torch.device) -> torch.dtype:
+def stat_dtype(device: torch.device) -> torch.dtype:
     # float64 so that squaring a large-but-finite norm cannot overflow into a false "non-finite";
     # it is a vector of a few dozen numbers, so the precision is free. MPS has no float64.
     return torch.float32 if device.type == "mps" else torch.float64
@@ -106,12 +110,17 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
     return torch.float32
 
 
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+
+
 @dataclass
 class _Group:
     device: torch.device
     dtype: torch.dtype
     sparse: bool
     members: list[int]  # positions in GradStats._present
+    plan: NormPlan | None = None  # dense groups: how their norms are taken (capture/norms.py)
 
 
 class GradStats:
@@ -124,12 +133,16 @@ class GradStats:
         self.layer_map = layer_map
         self.exact = exact
         self._key: tuple[bool, ...] | None = None
-        self._all_present = False  # the last key had every parameter (then only that is re-checked)
+        self._nones = -1  # parameters without a gradient when the plan was made (-1: no plan yet)
         self._simple = False
         self._present: list[int] = []
+        self._pick: Any = None  # the gradients of _present, in C (operator.itemgetter)
         self._groups: list[_Group] = []
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self._index: torch.Tensor | None = None
+        self._index_present: torch.Tensor | None = None
+        self._shareable = False
+        self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
         self._world = torch.distributed.get_world_size() if self.sharded else 1
@@ -140,32 +153,53 @@ class GradStats:
         """Where the statistics vector lives."""
         return self._device
 
-    def _grads(self) -> list[torch.Tensor]:
-        params = self.layer_map.params
-        grads = [p.grad for p in params]
-        if self._all_present and not any(g is None for g in grads):
-            return grads  # the common step: every parameter has a gradient, the plan stands
-        key = tuple(g is not None for g in grads)
+    def _grads(self) -> "list[torch.Tensor] | tuple[torch.Tensor, ...]":
+        """This step's gradients of the planned parameters (identity tests only, in C: ``None in
+        grads`` would call ``Tensor.__eq__`` on every gradient)."""
+        grads = list(map(_GRAD, self.layer_map.params))
+        if self._nones == 0:
+            if not any(map(operator.is_, grads, repeat(None))):
+                return grads  # the common step: every parameter has a gradient, the plan stands
+        elif self._nones > 0:
+            present = self._pick(grads)
+            if (not any(map(operator.is_, present, repeat(None)))
+                    and sum(map(operator.is_, grads, repeat(None))) == self._nones):
+                return present  # the same parameters lack a gradient as when the plan was made
+        key = tuple(map(operator.is_not, grads, repeat(None)))
         if key != self._key:
-            # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
-            self._key = key
-            self._present = [i for i, has in enumerate(key) if has]
-            groups: dict[tuple, _Group] = {}
-            for pos, i in enumerate(self._present):
-                g = _local(params[i].grad)  # type: ignore[arg-type]
-                k = (g.device, g.dtype, g.is_sparse)
-                groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
-            self._groups = list(groups.values())
-            self._index = None
-            self._weights = None
-            # one group, plain tensors: the gradient list goes to the norm kernel as it is
-            self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
-        self._all_present = all(key)
-        return grads if self._all_present else [grads[i] for i in self._present]  # type: ignore[misc]
+            self._replan(key, grads)
+        self._nones = key.count(False)
+        return grads if not self._nones else self._pick(grads)
+
+    def _replan(self, key: tuple[bool, ...], grads: list[torch.Tensor | None]) -> None:
+        # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
+        self._key = key
+        self._present = [i for i, has in enumerate(key) if has]
+        self._pick = operator.itemgetter(*self._present) if len(self._present) > 1 else (
+            (lambda xs, i=self._present[0]: (xs[i],)) if self._present else (lambda xs: ()))
+        groups: dict[tuple, _Group] = {}
+        for pos, i in enumerate(self._present):
+            g = _local(grads[i])  # type: ignore[arg-type]
+            k = (g.device, g.dtype, g.is_sparse)
+            groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
+        self._groups = list(groups.values())
+        for grp in self._groups:
+            if not grp.sparse:
+                grp.plan = NormPlan([_local(grads[self._present[m]]) for m in grp.members])  # type: ignore[arg-type]
+        self._index = self._index_present = None
+        self._weights = None
+        # one group, plain tensors: the gradient list goes to the norm plan as it is
+        self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
+        # ... and the loop's clip, which takes the norms in the gradients' own precision, can lend its own
+        self._shareable = self._simple and self._groups[0].dtype in (torch.float32, torch.float64)
 
     def _order(self) -> list[int]:
         # positions in _present, in the order the per-tensor results are concatenated
-        return [m for grp in self._groups for m in grp.members]
+        out = []
+        for grp in self._groups:
+            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
+            out += [grp.members[j] for j in order]
+        return out
 
     def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
         if not self.sharded:
@@ -175,65 +209,96 @@ class GradStats:
             self._weights = to_device(w, self._device)
         return self._weights
 
-    def _per_layer(self, per_tensor: torch.Tensor) -> torch.Tensor:
+    def _per_layer(self, per_tensor: torch.Tensor, *, as_present: bool = False) -> torch.Tensor:
         """Per-tensor values -> per-layer sums, in a fixed order on every run and rank: a gather
         into a (layers x widest layer) table padded with zeros, then row sums (``index_add_``
-        uses atomics on CUDA, whose order -- and so the last bits -- can differ between ranks)."""
-        if self._index is None:
+        uses atomics on CUDA, whose order -- and so the last bits -- can differ between ranks).
+        ``as_present``: the values come in the parameters' order, not the norm plan's."""
+        index = self._index_present if as_present else self._index
+        if index is None:
             layer_of = self.layer_map.layer_of
             rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
-            for col, pos in enumerate(self._order()):
+            for col, pos in enumerate(range(len(self._present)) if as_present else self._order()):
                 rows[layer_of[self._present[pos]]].append(col)
             pad = len(self._present)  # the appended zero
             width = max(1, max(len(r) for r in rows))
             table = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
-            self._index = to_device(table, self._device)
+            index = to_device(table, self._device)
+            if as_present:
+                self._index_present = index
+            else:
+                self._index = index
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
-        return padded[self._index].sum(dim=1)
+        return padded[index].sum(dim=1)
 
-    def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None) -> torch.Tensor:
+    def _shared(self, dgrads: Any, shared: "tuple[list[int], list[torch.Tensor], list[int]]") -> torch.Tensor | None:
+        """This step's per-tensor norms from the loop's clip (its own norm pass, before it scaled
+        the gradients), in the parameters' order; ``None`` when they do not serve: a gradient
+        the clip did not cover or that was written since (its version moved), or norms of another
+        precision than this plan's (half-precision gradients, exact float64 statistics, several
+        devices, sharded or sparse gradients)."""
+        if not self._shareable:
+            return None
+        ids, norms, versions = shared
+        mine = list(map(id, dgrads))
+        if mine != ids:  # the clip covered other parameters too, or in another order
+            where = dict(zip(ids, range(len(ids))))
+            idx = list(map(where.get, mine))
+            if None in idx:
+                return None
+            norms, versions = [norms[i] for i in idx], [versions[i] for i in idx]
+        if list(map(_VERSION, dgrads)) != versions:
+            return None  # a gradient written after the clip (a fault injected, an edit): read it anew
+        return to_device(torch.stack(norms), self._device, stat_dtype(self._device))
+
+    def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None,
+                       shared: "tuple[list[int], list[torch.Tensor], list[int]] | None" = None) -> torch.Tensor:
         """Squared L2 norm of each layer's gradient, shape ``(num_layers,)``, on :attr:`device`.
 
         ``inv_scale`` (a device scalar) unscales gradients that a fused optimizer will unscale
         itself inside its kernel (GradScaler + fused Adam leaves them scaled). ``exact``:
-        float64 accumulation on every device for this call (the rare-path recount).
+        float64 accumulation on every device for this call (the rare-path recount). ``shared``:
+        ``(ids, norms, versions)`` the loop's clip took of these gradients (``capture.clipping``):
+        used instead of a norm pass of our own where they serve.
         """
         exact = self.exact if exact is None else exact
         dgrads = self._grads()
-        dtype = _stat_dtype(self._device)
+        dtype = stat_dtype(self._device)
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
-        parts = []
-        for grp in self._groups:
-            grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
-            acc = _acc_dtype(grp.device, grp.dtype, exact)
-            if grp.sparse:
-                norms = [torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads]
-            elif acc is None:
-                norms = torch._foreach_norm(grads, 2)
-            else:
-                norms = torch._foreach_norm(grads, 2, dtype=acc)
-            parts.append(to_device(torch.stack(norms), self._device, dtype))
-        per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
+        as_present = self.last_shared = per_tensor is not None
+        if per_tensor is None:
+            parts = []
+            for grp in self._groups:
+                grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
+                acc = _acc_dtype(grp.device, grp.dtype, exact)
+                if grp.plan is None:  # sparse
+                    norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
+                else:
+                    norms = grp.plan.norms(grads, acc)
+                parts.append(to_device(norms, self._device, dtype))
+            per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
-        weight = self._weight(dgrads, dtype)
+        weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
         if weight is not None:
             sq = sq * weight
-        return self._per_layer(sq)
+        return self._per_layer(sq, as_present=as_present)
 
     def layer_nonfinite_counts(self) -> torch.Tensor:
         """Count of non-finite gradient elements per layer (a second pass: only on a bad step).
 
         Sharded: counts of this rank's shards, weighted like the norms (sum over ranks = global)."""
         dgrads = self._grads()
-        dtype = _stat_dtype(self._device)
+        dtype = stat_dtype(self._device)
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         parts = []
         for grp in self._groups:
-            grads = [_local(dgrads[m]) for m in grp.members]
+            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
+            grads = [_local(dgrads[grp.members[j]]) for j in order]  # the norms' order (see _order)
             values = [g.coalesce()._values() if grp.sparse else g for g in grads]
             counts = torch.stack([torch.isfinite(v).logical_not_().sum() for v in values])
             parts.append(to_device(counts, self._device, dtype))

@@ -84,7 +84,9 @@ class SyncReader:
     late = False
 
     def push(self, vec: torch.Tensor, tag: Any) -> tuple[np.ndarray, Any]:
-        # This is the one host sync per step (nothing to wait for on CPU).
+        # This is the one host sync per step (nothing to wait for on CPU, where it is a view).
+        if vec.is_cpu and not vec.requires_grad:
+            return vec.numpy(), tag
         return vec.detach().to("cpu").numpy(), tag
 
     def drain(self) -> list[tuple[np.ndarray, Any]]:

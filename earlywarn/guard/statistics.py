@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from earlywarn.capture.clipping import observe_clipping, unclip
-from earlywarn.capture.gradstats import GradStats
+from earlywarn.capture.gradstats import GradStats, stat_dtype
 from earlywarn.capture.grouping import LayerMap
 from earlywarn.capture.hostread import LateReader, SyncReader
 from earlywarn.capture.updates import learning_rate
@@ -35,7 +35,7 @@ SQ_OVERFLOW = float(np.finfo(np.float32).max)
 class StepTag:
     """What the host needs to know about a step whose vector may arrive a step late."""
 
-    __slots__ = ("step", "run_step", "batch", "loss_reported", "counts", "inv_scale", "gen", "users", "clip")
+    __slots__ = ("step", "run_step", "batch", "loss_reported", "counts", "inv_scale", "gen", "users", "clip", "sq_sum")
 
     def __init__(self, step: int, run_step: int, batch: Any, loss_reported: bool):
         self.step = step  # on the training trajectory (a rewind sets it back)
@@ -47,6 +47,7 @@ class StepTag:
         self.inv_scale: torch.Tensor | None = None  # for the rare-path recount (sync mode)
         self.gen = 0  # the watcher's rewind generation when the step ran (async mode)
         self.clip: torch.Tensor | None = None  # the loop's clip factor, undone in the statistics (and the recount)
+        self.sq_sum: float | None = None  # the layers' squared norms summed, once read (sync mode)
 
 
 def as_scalar(value: Any, fn: str, what: str) -> torch.Tensor:
@@ -98,9 +99,17 @@ class StepStatistics:
     def __init__(self, layer_map: LayerMap, optimizer: torch.optim.Optimizer, scaler: Any, *, late: bool,
                  world_size: int, state_check_every: int = 1):
         self.layer_map = layer_map
+        self.num_layers = layer_map.num_layers
         self.optimizer = optimizer
         self.scaler = scaler
         self.stats = GradStats(layer_map, exact=late)
+        # where the vector lives, its "not reported" and "not checked" entries, a finite step's
+        # non-finite counts: made once, not per step
+        self._dev, self._dt = self.stats.device, stat_dtype(self.stats.device)
+        self._nan_entry = torch.full((1,), math.nan, dtype=self._dt, device=self._dev)
+        self._zero_entry = torch.zeros(1, dtype=self._dt, device=self._dev)
+        self._no_counts = np.zeros(self.num_layers)
+        self._no_counts.setflags(write=False)
         # the loop's clip_grad_norm_ (between backward and this step): its factor, to read the raw norms
         self.clipping = observe_clipping(layer_map.params)
         # Alone, a step is judged as soon as its vector has landed; under torch.distributed
@@ -119,7 +128,6 @@ class StepStatistics:
         self.state_check_every = state_check_every
         self.user_names: list[str] = []  # user signals ("user/<name>"), in the order first reported
         self._reported: dict[str, _Mean] = {}  # "loss" and user signals reported since the last step
-        self._nan: dict[tuple, torch.Tensor] = {}  # the vector's "not reported" entry, per (device, dtype)
         self._step_lr: dict[int, float | None] = {}  # step -> its LR, until its vector is read
         # the LR the step really takes (earlywarn may hold it below the loop's): what the detector judges
         self.effective_lr: Callable[[float | None], float | None] = lambda lr: lr
@@ -153,17 +161,21 @@ class StepStatistics:
     def vector(self, step: int, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, StepTag]:
         """This step's statistics vector (on the device; reduced over ranks) and its tag (without
         the step's batch and run step, which the watcher fills in)."""
-        self._settle_backward_order()
+        if self.backward_rank is None:
+            self._settle_backward_order()
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
-        layer_sq = self.stats.layer_sq_norms(inv_scale)
-        dev, dt = layer_sq.device, layer_sq.dtype
-        clip = self.clipping.take(dev, dt)
-        if clip is not None:  # the loop clipped these gradients: the detector reads them as they were
-            layer_sq = unclip(layer_sq, clip)
-        nan = self._nan.get((dev, dt))
-        if nan is None:  # made once: a fill kernel per step is host work for nothing
-            nan = self._nan[(dev, dt)] = torch.full((1,), math.nan, dtype=dt, device=dev)
-        reported, self._reported = self._reported, {}
+        dev, dt, nan = self._dev, self._dt, self._nan_entry
+        # what the loop's clip_grad_norm_ did: its per-tensor norms (taken before it scaled the
+        # gradients) serve as ours, one norm pass for both; else ours, unclipped by its factor
+        took = self.clipping.take(dev, dt)
+        clip = None if took is None else took.coef
+        shared = None if took is None or took.versions is None else (took.ids, took.norms, took.versions)
+        layer_sq = self.stats.layer_sq_norms(inv_scale, shared=shared)
+        if clip is not None and not (shared is not None and self.stats.last_shared):
+            layer_sq = unclip(layer_sq, clip)  # the detector reads them as they were
+        reported = self._reported
+        if reported:
+            self._reported = {}
         loss = reported.get("loss")
         scale = self.scaler._scale if self.scaler is not None else None
         parts = [layer_sq, _onto(loss.mean(), dev, dt) if loss is not None else nan,
@@ -175,7 +187,7 @@ class StepStatistics:
             if acc is not None:
                 users.append((key, len(layer_sq) + 2 + j))
         every = self.state_check_every
-        parts.append(self.state_check.flag(dev, dt) if every and step % every == 0 else self._zero(dev, dt))
+        parts.append(self.state_check.flag(dev, dt) if every and step % every == 0 else self._zero_entry)
         vec = torch.cat(parts)
         if self.reducer is not None:
             vec = self.reducer.reduce(vec)
@@ -183,20 +195,18 @@ class StepStatistics:
         # vector is read (a step later in async mode, when the scheduler has moved on)
         self._step_lr[step] = self.effective_lr(learning_rate(self.optimizer))
         tag = StepTag(step, step, None, loss is not None)
-        tag.users, tag.inv_scale, tag.clip = tuple(users), inv_scale, clip
+        tag.inv_scale, tag.clip = inv_scale, clip
+        if users:
+            tag.users = tuple(users)
         return vec, tag
-
-    def _zero(self, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
-        z = self._nan.get((dev, dt, 0))
-        if z is None:  # made once
-            z = self._nan[(dev, dt, 0)] = torch.zeros(1, dtype=dt, device=dev)
-        return z
 
     def read_now(self, vec: torch.Tensor, tag: StepTag) -> np.ndarray:
         """The step's one batched host read (sync mode); a bad step is recounted exactly."""
         host, _ = self.reader.push(vec, tag)
-        L = self.layer_map.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
-        if math.isfinite(float(host[:L].sum())):
+        L = self.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
+        sq_sum = float(host[:L].sum())
+        if math.isfinite(sq_sum):
+            tag.sq_sum = sq_sum
             return host
         # Rare path (a bad step): a second pass for exact per-layer element counts.
         counts = self.stats.layer_nonfinite_counts()
@@ -219,16 +229,23 @@ class StepStatistics:
 
     def observation(self, host: np.ndarray, tag: StepTag) -> Observation:
         """What the detector sees of a step, on the run's clock (``tag.run_step``)."""
-        L = self.layer_map.num_layers
+        L = self.num_layers
         layer_sq = host[:L]
-        total = float(np.sqrt(layer_sq.sum()))
-        nonfinite = tag.counts if tag.counts is not None else (~np.isfinite(layer_sq)).astype(np.float64)
+        total = math.sqrt(tag.sq_sum) if tag.sq_sum is not None else float(np.sqrt(layer_sq.sum()))
+        if tag.counts is not None:
+            nonfinite = tag.counts
+        elif math.isfinite(total):
+            nonfinite = self._no_counts  # read-only zeros: nothing to count on a finite step
+        else:
+            nonfinite = (~np.isfinite(layer_sq)).astype(np.float64)
         extras = {"loss_scale": float(host[L + 1])} if self.scaler is not None else {}
         for key, j in tag.users:
             extras[key] = float(host[j])
-        lr = self._step_lr.pop(tag.step, None)
-        for k in [k for k in self._step_lr if k < tag.step]:
-            del self._step_lr[k]  # steps never read (a rewind dropped them)
+        pending = self._step_lr
+        lr = pending.pop(tag.step, None)
+        if pending:
+            for k in [k for k in pending if k < tag.step]:
+                del pending[k]  # steps never read (a rewind dropped them)
         if lr is not None:
             extras["lr"] = lr
         loss = float(host[L]) if tag.loss_reported else None
@@ -247,7 +264,7 @@ class StepStatistics:
     def device_skip_flag(self, vec: torch.Tensor) -> torch.Tensor:
         """Async mode: the fused kernel's skip flag, on the device (no host read). The layer norms
         are exact (float64) there, so it is set by NaN/Inf elements only (or a float32 overflow)."""
-        layer_sq = vec[:self.layer_map.num_layers]
+        layer_sq = vec[:self.num_layers]
         return (~torch.isfinite(layer_sq.sum()) | (layer_sq.amax() > SQ_OVERFLOW)).to(torch.float32)
 
     # -- naming the layers of a bad step ------------------------------------------------------------

@@ -402,7 +402,7 @@ class Watcher:
         if self.statistics.state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step):
             self.telemetry.count("repaired_steps")
         obs = self.statistics.observation(host, tag)
-        decision = self.judge(obs, host[:self.statistics.layer_map.num_layers], tag.counts is not None,
+        decision = self.judge(obs, host[:self.statistics.num_layers], tag.counts is not None,
                               tag.step, self.episode)
         self.responses.announce(decision, tag)
         return decision

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import collections
 import copy
+import operator
 import random
+from itertools import chain
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from earlywarn.capture.hostread import HOST_WAITS, record_event
+from earlywarn.capture.norms import SMALL, NormSum
 
 from ._tree import at, leaves, same_structure
 from .errors import CheckpointError
@@ -90,36 +93,37 @@ def _key(t: torch.Tensor) -> tuple[torch.device, int] | None:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors only ``optimizer.step`` writes: its parameters and their state (local shards)."""
+    """The tensors only ``optimizer.step`` writes: its parameters and their state (local shards).
+    Flat per-parameter state (torch.optim's) is read in one pass; nested state is walked."""
     out: list[torch.Tensor] = []
+    state = optimizer.state
     for g in optimizer.param_groups:
         for p in g["params"]:
-            out.append(local(p.detach()))
-            out += [local(v) for _, v in leaves(optimizer.state.get(p, {}))]
+            out.append(local(p))
+            st = state.get(p)
+            if not isinstance(st, dict):
+                out += [local(v) for _, v in leaves(st)]
+                continue
+            for v in st.values():
+                if type(v) is torch.Tensor:
+                    out.append(v)
+                elif isinstance(v, (torch.Tensor, dict, list, tuple)):  # a DTensor, nested state
+                    out += [local(t) for _, t in leaves(v)]
     return out
 
 
-def nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def nonfinite_flag(tensors: list[torch.Tensor], plan: NormSum | None = None) -> torch.Tensor | None:
     """One number, on the tensors' device, that is finite iff every element is: the sum of
-    their L2 norms (one fused multi-tensor pass per dtype). Accumulated in float64 on CUDA
-    (free there, and no finite value can overflow it); float32 on CPU, where a huge finite value
-    can overflow it -- a false alarm that :meth:`HostCopy.owned_finite` settles exactly."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
-    for t in tensors:
-        if (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and t.layout == torch.strided:
-            groups[t.dtype].append(t)
-    if not groups:
+    their L2 norms (one planned pass per dtype, ``capture.norms``; ``plan``: made for these
+    tensors before). Accumulated in float64 on CUDA (free there, and no finite value can overflow
+    it); float32 on CPU, where a huge finite value can overflow it -- a false alarm that
+    :meth:`HostCopy.owned_finite` settles exactly."""
+    total = plan if plan is not None else NormSum(tensors)
+    if not total:
         return None
-    cuda = next(iter(groups.values()))[0].device.type == "cuda"
-    sums = []
-    for dtype, ts in groups.items():
-        if dtype.is_complex:
-            norms = torch._foreach_norm(ts, 2)
-        else:
-            acc = torch.float64 if (cuda or dtype == torch.float64) else torch.float32
-            norms = torch._foreach_norm(ts, 2, dtype=acc)
-        sums.append(torch.stack(norms).sum().to(torch.float64 if cuda else torch.float32))
-    return torch.stack(sums).sum().reshape(1)
+    device = tensors[0].device
+    with torch.no_grad():  # the parameters themselves are among them: no graph
+        return total.total(tensors, device, torch.float64 if device.type == "cuda" else torch.float32)
 
 
 class HostCopy:
@@ -135,6 +139,9 @@ class HostCopy:
         self._flags: list[torch.Tensor] = list(flags)
         self._owned: list[torch.Tensor] = list(owned)
         self.checked = False  # to_host(check_finite=True) sets it: finite() then means something
+        self.kept: set[int] = set()  # ids of the tensors in ``tree`` that are live ones, not copies
+        # how the next copy into these buffers goes (to_host(reuse=this copy)): see _PartPlan
+        self.plans: dict[Any, Any] = {}
 
     def ready(self) -> bool:
         """Every copy has landed (never blocks)."""
@@ -175,51 +182,270 @@ def _host_buffer(t: torch.Tensor, reuse: Any) -> torch.Tensor | None:
 
 
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # immutable leaves: shared, not copied
+_STRIDED = torch.strided
+_NO_REUSE: dict = {}
+
+
+def _copy_metadata(metadata: Any) -> Any:
+    """``state_dict()._metadata`` (one small dict of plain values per module) copied: a deep copy
+    costs ~3 us per module, this a tenth of it."""
+    if isinstance(metadata, dict) and all(type(v) is dict and all(type(x) in _SCALARS for x in v.values())
+                                          for v in metadata.values()):
+        return collections.OrderedDict((k, dict(v)) for k, v in metadata.items())
+    return copy.deepcopy(metadata)
 
 
 def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" = None,
-            check_finite: bool = False, agree: bool = False, shared: "set[int] | None" = None) -> HostCopy:
+            check_finite: bool = False, agree: bool = False, shared: "set[int] | None" = None,
+            planned: "tuple[tuple[str, ...], ...]" = ()) -> HostCopy:
     """Copy every tensor in ``tree`` to host memory (never aliasing the live tensors); other leaves
-    are deep-copied. ``reuse`` is an older copy of the same structure whose buffers are recycled
-    (no fresh host allocation every snapshot for a model of fixed shape). ``side``: the
-    optimizer's tensors (see the note above); ``check_finite``: flag whether they are finite;
-    ``agree``: under torch.distributed, the flag is summed over ranks (a collective: every rank
-    calls this together). ``shared``: ids of tensors that are kept as they are, not copied (frozen
-    weights: see :class:`FrozenRefs`)."""
-    copier = _HostCopier(side or [], shared or set())
-    out = copier.rec(tree, reuse)
+    are deep-copied. ``reuse`` is an older copy of the same structure (a :class:`HostCopy`, or
+    its tree) whose buffers are recycled (no fresh host allocation every snapshot for a model of
+    fixed shape). ``side``: the optimizer's tensors (see the note above); ``check_finite``: flag
+    whether they are finite; ``agree``: under torch.distributed, the flag is summed over ranks (a
+    collective: every rank calls this together). ``shared``: ids of tensors that are kept as they
+    are, not copied (frozen weights: see :class:`FrozenRefs`). ``planned``: paths of the flat
+    parts of ``tree`` (a ``state_dict()``, the optimizer's per-parameter state) whose copy is
+    planned (see :class:`_PartPlan`): copying them again into ``reuse``'s buffers then costs no
+    walk."""
+    plans = reuse.plans if isinstance(reuse, HostCopy) else {}
+    copier = _HostCopier(side or [], shared or set(), plans)
+    out = copier.walk(tree, reuse.tree if isinstance(reuse, HostCopy) else reuse, (), planned)
     copier.copy_host()
     events = [record_event(d) for d in copier.main_devices]  # recorded on each device's compute stream
     events, flags = copier.side_stream_copies(events, check_finite, agree)
     host = HostCopy(out, events, flags=flags, owned=copier.owned_host)
     host.checked = check_finite
+    host.kept, host.plans = copier.kept, copier.plans
     return host
+
+
+_PTR, _SIZE = torch.Tensor.data_ptr, torch.Tensor.size
+_CPU = torch.device("cpu")
+
+
+def _flat_part(x: Any) -> tuple[list[torch.Tensor], tuple] | None:
+    """The tensors of a flat part -- a mapping of tensors, or a mapping of mappings of tensors
+    (the optimizer's per-parameter state) -- in order, with its structure; ``None`` otherwise."""
+    if type(x) not in (dict, collections.OrderedDict) or not x:
+        return None
+    inner = list(x.values())
+    kinds = set(map(type, inner))
+    if kinds == {torch.Tensor}:
+        return inner, (tuple(x),)
+    if kinds == {dict}:
+        vals = list(chain.from_iterable(map(dict.values, inner)))
+        if vals and set(map(type, vals)) == {torch.Tensor}:
+            return vals, (tuple(x), tuple(chain.from_iterable(map(dict.keys, inner))), tuple(map(len, inner)))
+    return None
+
+
+def _picker(positions: list[int]) -> Callable[[list[Any]], Any]:
+    return operator.itemgetter(*positions) if len(positions) > 1 else (lambda xs, i=positions[0]: (xs[i],))
+
+
+class _PartPlan:
+    """How a flat part of a state tree was copied into a host copy's buffers: which tensors went
+    to which buffer by which route (a host copy, a side-stream or a compute-stream device copy) and
+    which were kept by reference. The next copy into the same buffers replays it -- one check of
+    the part's structure and of its tensors' addresses and shapes in C, then the copies in groups
+    -- instead of walking the part tensor by tensor. Any difference (a key, a reallocated or
+    reshaped tensor, a weight frozen or unfrozen since) means a walk and a new plan.
+
+    Small host tensors of one shape and dtype (``capture.norms.SMALL`` elements at most) get rows
+    of one stacked buffer: ``torch.stack(..., out=)`` copies them in one call, where
+    ``_foreach_copy_`` pays a dispatch per tensor on the CPU (hundreds of biases and norms)."""
+
+    __slots__ = ("sig", "out", "host", "stacks", "side", "main", "owned", "kept")
+
+    def __init__(self, sig: tuple, out: Any) -> None:
+        self.sig, self.out = sig, out
+        self.host: list[tuple[torch.dtype, list[torch.Tensor], Any]] = []
+        self.stacks: list[tuple[torch.Tensor, Any]] = []  # (stacked buffer, its rows' sources)
+        self.side: list[tuple[torch.device, list[torch.Tensor], Any]] = []
+        self.main: list[tuple[torch.device, list[torch.Tensor], Any]] = []
+        self.owned: list[torch.Tensor] = []
+        self.kept: set[int] = set()
+
+    @staticmethod
+    def make(sig: tuple, out: Any, srcs: list[torch.Tensor], owned_ids: set[int]) -> "_PartPlan | None":
+        flat = _flat_part(out)
+        if flat is None or len(flat[0]) != len(srcs):
+            return None
+        plan = _PartPlan(sig, out)
+        routes: dict[tuple, tuple[list[torch.Tensor], list[int]]] = collections.defaultdict(lambda: ([], []))
+        for i, (src, dst) in enumerate(zip(srcs, flat[0])):
+            if dst is src:
+                plan.kept.add(id(dst))
+                continue
+            if not dst.is_cpu or dst.layout is not _STRIDED or dst.data_ptr() == src.data_ptr():
+                return None
+            if src.is_cpu:
+                small = src.is_contiguous() and 0 < src.numel() <= SMALL
+                route: tuple = ("stack", (src.dtype, src.shape)) if small else ("host", src.dtype)
+            elif src.is_cuda and dst.is_pinned():
+                route = ("side" if id(dst) in owned_ids else "main", src.device)
+            else:
+                return None
+            dsts, pos = routes[route]
+            dsts.append(dst)
+            pos.append(i)
+        slots = _slots(out)
+        for (kind, where), (dsts, pos) in routes.items():
+            if kind == "stack" and len(pos) > 1:
+                big = torch.empty((len(pos), *where[1]), dtype=where[0])
+                rows = big.unbind(0)
+                for i, dst, row in zip(pos, dsts, rows):
+                    _put(out, slots[i], row)
+                    if id(dst) in owned_ids:
+                        owned_ids.add(id(row))
+                plan.stacks.append((big, _picker(pos)))
+                dsts[:] = rows
+            else:
+                getattr(plan, "host" if kind == "stack" else kind).append(
+                    (where[0] if kind == "stack" else where, dsts, _picker(pos)))
+        plan.owned = [t for t in _flat_part(out)[0] if id(t) in owned_ids]  # type: ignore[index]
+        return plan
+
+
+def _slots(part: Any) -> list[tuple]:
+    """Where each tensor of a flat part sits (its key, or outer and inner key), in order."""
+    first = next(iter(part.values()))
+    if isinstance(first, dict):
+        return [(o, k) for o, inner in part.items() for k in inner]
+    return [(k,) for k in part]
+
+
+def _put(part: Any, slot: tuple, value: torch.Tensor) -> None:
+    if len(slot) == 1:
+        part[slot[0]] = value
+    else:
+        part[slot[0]][slot[1]] = value
+
+
+class _SidePlan:
+    """The optimizer's tensors as one snapshot saw them (see :meth:`_HostCopier.side_plan`)."""
+
+    __slots__ = ("ids", "ptrs", "keys", "cpu_ptrs", "devices")
+
+    def __init__(self, side: list[torch.Tensor], ids: tuple, ptrs: tuple) -> None:
+        self.ids, self.ptrs = ids, ptrs
+        self.keys = {k for k in (_key(t) for t in side) if k is not None}
+        self.cpu_ptrs = {ptr for dev, ptr in self.keys if dev.type == "cpu"}
+        by_device: dict[torch.device, list[int]] = collections.defaultdict(list)
+        for i, t in enumerate(side):
+            by_device[t.device].append(i)
+        # per device: which of them, and their finiteness flag's plan (capture.norms)
+        self.devices = [(dev, _picker(pos), NormSum([side[i] for i in pos])) for dev, pos in by_device.items()]
 
 
 class _HostCopier:
     """One :func:`to_host` call: walks the tree, places each tensor's copy, then issues the copies
-    (host ones in one multi-tensor call per dtype; device ones on the compute or the side stream)."""
+    (host ones in one multi-tensor call per dtype; device ones on the compute or the side stream).
+    ``plans``: those of the copy whose buffers are recycled; :attr:`plans`: this copy's."""
 
-    def __init__(self, side: list[torch.Tensor], shared: set[int]) -> None:
+    def __init__(self, side: list[torch.Tensor], shared: set[int], plans: dict[Any, Any]) -> None:
         self.side = side
         self.shared = shared
-        self.side_keys = {k for k in (_key(t) for t in side) if k is not None}
+        self.reused_plans = plans
+        self.plans: dict[Any, Any] = {}
+        self.kept: set[int] = set()
+        self._keys: set | None = None
+        self._cpu_ptrs: set[int] = set()
         self.side_copies: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
-        self.host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_copies: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = collections.defaultdict(
+            lambda: ([], []))
+        self.stack_copies: list[tuple[torch.Tensor, Any]] = []  # (stacked buffer, its rows' sources)
         self.main_devices: set[torch.device] = set()
         self.owned_host: list[torch.Tensor] = []
 
+    @property
+    def side_keys(self) -> set:
+        """(device, address) of the optimizer's tensors."""
+        if self._keys is None:
+            self._keys, self._cpu_ptrs = self.side_plan().keys, self.side_plan().cpu_ptrs
+        return self._keys
+
+    def side_plan(self) -> "_SidePlan":
+        """What the optimizer's tensors are (their keys, their devices, how their finiteness
+        flag is taken): the recycled copy's when they are the same tensors at the same
+        addresses, else made now."""
+        plan = self.plans.get("side")
+        if plan is None:
+            ids, ptrs = tuple(map(id, self.side)), tuple(map(_PTR, self.side))
+            plan = self.reused_plans.get("side")
+            if plan is None or plan.ids != ids or plan.ptrs != ptrs:
+                plan = _SidePlan(self.side, ids, ptrs)
+            self.plans["side"] = plan
+        return plan
+
+    def walk(self, x: Any, r: Any, path: tuple, planned: "tuple[tuple[str, ...], ...]") -> Any:
+        """:meth:`rec`, except for the parts at ``planned`` paths (see :class:`_PartPlan`)."""
+        if path in planned:
+            return self.part(x, r, path)
+        if isinstance(x, dict) and any(p[:len(path)] == path and len(p) > len(path) for p in planned):
+            rr = r if isinstance(r, dict) else _NO_REUSE
+            return {k: self.walk(v, rr.get(k), path + (k,), planned) for k, v in x.items()}
+        return self.rec(x, r)
+
+    def part(self, x: Any, r: Any, path: tuple) -> Any:
+        flat = _flat_part(x)
+        if flat is None:
+            return self.rec(x, r)
+        srcs, structure = flat
+        kept = tuple(i for i, v in enumerate(srcs) if id(v) in self.shared) if self.shared else ()
+        sig = (structure, tuple(map(_PTR, srcs)), tuple(map(_SIZE, srcs)), kept)
+        plan = self.reused_plans.get(path)
+        if plan is not None and plan.sig == sig and plan.out is r:
+            self.replay(plan, srcs)
+        else:  # walked, and planned for the next copy into these buffers
+            owned = len(self.owned_host)
+            marks = {k: len(v[0]) for k, v in self.host_copies.items()}
+            out = self.rec(x, r)
+            plan = _PartPlan.make(sig, out, srcs, set(map(id, self.owned_host[owned:])))
+            if plan is None:
+                return out
+            # the walk's host copies give way to the plan's (small tensors: rows of stacked buffers);
+            # its device copies are issued already
+            for k, (d, s_) in self.host_copies.items():
+                del d[marks.get(k, 0):], s_[marks.get(k, 0):]
+            del self.owned_host[owned:]
+            self.replay(plan, srcs, host_only=True)
+        self.plans[path] = plan
+        return plan.out
+
+    def replay(self, plan: _PartPlan, srcs: list[torch.Tensor], *, host_only: bool = False) -> None:
+        for dtype, dsts, pick in plan.host:
+            d, s_ = self.host_copies[(_CPU, dtype)]
+            d += dsts
+            s_ += pick(srcs)
+        self.stack_copies += [(big, pick(srcs)) for big, pick in plan.stacks]
+        self.owned_host += plan.owned
+        self.kept |= plan.kept
+        if host_only:
+            return
+        for device, dsts, pick in plan.side:
+            self.side_copies[device] += zip(dsts, pick(srcs))
+        for device, dsts, pick in plan.main:
+            for dst, src in zip(dsts, pick(srcs)):
+                dst.copy_(src, non_blocking=True)
+            self.main_devices.add(device)
+
     def copy_leaf(self, x: torch.Tensor, r: Any) -> torch.Tensor:
         if id(x) in self.shared:
+            self.kept.add(id(x))
             return x  # never written while it is frozen: the model's own tensor serves every snapshot
-        if (type(r) is torch.Tensor and x.device.type == "cpu" and r.shape == x.shape and r.dtype == x.dtype
-                and not is_dtensor(x) and r.layout == x.layout == torch.strided and r.device.type == "cpu"
-                and r.data_ptr() != x.data_ptr()):  # never a live tensor an older snapshot referenced
-            # the common case of a periodic snapshot on the host: into the recycled buffer
-            self.host_copies.append((r, x))
-            if self.side_keys and _key(x) in self.side_keys:
-                self.owned_host.append(r)
-            return r
+        if type(x) is torch.Tensor and type(r) is torch.Tensor and x.is_cpu and r.is_cpu:
+            ptr = x.data_ptr()
+            if (ptr != r.data_ptr() and x.dtype is r.dtype and x.layout is _STRIDED and r.layout is _STRIDED
+                    and x.shape == r.shape):  # never a live tensor an older snapshot referenced
+                # the common case of a periodic snapshot on the host: into the recycled buffer
+                d, s_ = self.host_copies[(_CPU, x.dtype)]
+                d.append(r)
+                s_.append(x)
+                if self.side_keys and ptr in self._cpu_ptrs and x.numel() > 0:
+                    self.owned_host.append(r)
+                return r
         if is_dtensor(x):
             # local shard only; the copy keeps the layout (see the note on sharded tensors above)
             same = is_dtensor(r) and r._spec == x._spec
@@ -238,22 +464,28 @@ class _HostCopier:
                 dst.copy_(x, non_blocking=True)
                 self.main_devices.add(x.device)
         else:
-            self.host_copies.append((dst, x))  # copied together: one multi-tensor call
+            d, s_ = self.host_copies[(x.device, x.dtype)]  # copied together: one multi-tensor call
+            d.append(dst)
+            s_.append(x)
         if owned:
             self.owned_host.append(dst)
         return dst
 
     def rec(self, x: Any, r: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+        kind = type(x)
+        if kind in _SCALARS:
+            return x  # immutable: nothing to copy
+        if kind is torch.Tensor or isinstance(x, torch.Tensor):
             return self.copy_leaf(x, r)
         if isinstance(x, dict):
-            rr = r if isinstance(r, dict) else {}
+            rr = r if isinstance(r, dict) else _NO_REUSE
             out = collections.OrderedDict() if isinstance(x, collections.OrderedDict) else {}
-            for k, v in x.items():
-                out[k] = self.rec(v, rr.get(k))
+            leaf, rec = self.copy_leaf, self.rec
+            for k, v in x.items():  # (flat dicts of tensors -- state dicts -- take the direct call)
+                out[k] = leaf(v, rr.get(k)) if type(v) is torch.Tensor else rec(v, rr.get(k))
             if hasattr(x, "_metadata"):  # nn.Module.state_dict carries version metadata
                 out = collections.OrderedDict(out)
-                out._metadata = copy.deepcopy(x._metadata)  # type: ignore[attr-defined]
+                out._metadata = _copy_metadata(x._metadata)  # type: ignore[attr-defined]
             return out
         if isinstance(x, (list, tuple)):
             if all(type(v) in _SCALARS for v in x):
@@ -267,23 +499,18 @@ class _HostCopier:
         return copy.deepcopy(x)
 
     def copy_host(self) -> None:
-        if not self.host_copies:
-            return
-        by_dtype: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = collections.defaultdict(lambda: ([], []))
-        for dst, src in self.host_copies:
-            d, s_ = by_dtype[(src.device, src.dtype)]
-            d.append(dst)
-            s_.append(src)
         with torch.no_grad():  # sources may be parameters: a copy is not part of any graph
-            for d, s_ in by_dtype.values():
-                torch._foreach_copy_(d, s_)
+            for d, s_ in self.host_copies.values():
+                if d:
+                    torch._foreach_copy_(d, s_)
+            for big, s_ in self.stack_copies:
+                torch.stack(s_, out=big)
 
     def side_stream_copies(self, events: list[Any], check_finite: bool, agree: bool) -> tuple[list[Any], list[torch.Tensor]]:
         """The optimizer's tensors: copied on each device's side stream, with the finiteness flag
         computed beside the copy; returns the events to wait for and the flags to read."""
-        by_device: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
-        for t in self.side:
-            by_device[t.device].append(t)
+        by_device = {dev: (list(pick(self.side)), norms) for dev, pick, norms in self.side_plan().devices} \
+            if self.side and (check_finite or self.side_copies) else {}
         device_flags: list[tuple[torch.device, torch.Tensor]] = []  # computed beside the copies
         for device in set(self.side_copies) | ({d for d in by_device if d.type == "cuda"} if check_finite else set()):
             stream = _side_stream(device)
@@ -291,7 +518,7 @@ class _HostCopier:
             with torch.cuda.stream(stream):
                 for dst, src in self.side_copies.get(device, ()):
                     dst.copy_(src, non_blocking=True)  # src: live parameters / state, never freed meanwhile
-                flag = nonfinite_flag(by_device[device]) if check_finite else None
+                flag = nonfinite_flag(*by_device[device]) if check_finite and device in by_device else None
                 if flag is not None:
                     device_flags.append((device, flag))
                 event = record_event(device)  # on the side stream (current inside this block)
@@ -299,9 +526,9 @@ class _HostCopier:
             _FENCES.append((device, event))
         if not check_finite:
             return events, []
-        for device, ts in by_device.items():
+        for device, (ts, norms) in by_device.items():
             if device.type != "cuda":
-                flag = nonfinite_flag(ts)  # computed right here: the host has its value already
+                flag = nonfinite_flag(ts, norms)  # computed right here: the host has its value already
                 if flag is not None:
                     device_flags.append((device, flag))
         if agree:

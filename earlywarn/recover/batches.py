@@ -102,6 +102,16 @@ def _tensors(x: Any, out: list[torch.Tensor], depth: int = 0) -> None:
             _tensors(x[k], out, depth + 1)
 
 
+class _HashPlan:
+    """How one kind of batch tensor is hashed: its stride (over 2**20 elements), the integer
+    dtype its bits are read as, its slice of the fixed weights, and its shape-and-dtype tag."""
+
+    __slots__ = ("stride", "as_int", "weight", "meta")
+
+    def __init__(self, stride: int, as_int: "torch.dtype | None", weight: torch.Tensor, meta: bytes) -> None:
+        self.stride, self.as_int, self.weight, self.meta = stride, as_int, weight, meta
+
+
 class BatchFingerprints:
     """A fingerprint per step of the batch the step trained on, computed on the device.
 
@@ -122,6 +132,7 @@ class BatchFingerprints:
         self._meta = 0
         self._steps: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
         self._weights: dict[Any, torch.Tensor] = {}
+        self._plans: dict[tuple, _HashPlan | None] = {}  # (shape, dtype, device, layout) -> how it is hashed
 
     def _weight(self, device: torch.device, n: int) -> torch.Tensor:
         w = self._weights.get(device)
@@ -132,39 +143,56 @@ class BatchFingerprints:
             self._weights[device] = w
         return w[:n]
 
-    def _hash(self, t: torch.Tensor) -> torch.Tensor | None:
-        t = t.detach()
-        if t.layout != torch.strided or t.numel() == 0 or t.device.type == "meta":
-            return None
-        t = local(t)  # a DTensor: this rank's shard
-        flat = t.reshape(-1)
-        n = flat.numel()
-        if n > _FP_CAP:
-            flat = flat[:: -(-n // _FP_CAP)]
+    def _plan(self, t: torch.Tensor) -> "_HashPlan | None":
+        """How a tensor of ``t``'s shape, dtype and device is hashed (made once per kind of batch)."""
+        key = (t.shape, t.dtype, t.device, t.layout)
+        plan = self._plans.get(key)
+        if plan is None and key not in self._plans:
+            plan = None
+            lt = local(t)  # a DTensor: this rank's shard
+            if t.layout == torch.strided and lt.numel() > 0 and t.device.type != "meta":
+                n = lt.numel()
+                stride = -(-n // _FP_CAP) if n > _FP_CAP else 1
+                m = -(-n // stride)
+                complex_ = lt.is_complex()
+                as_int = (torch.uint8 if lt.dtype == torch.bool else
+                          _INT_OF_SIZE[lt.element_size() // (2 if complex_ else 1)] if lt.is_floating_point()
+                          or complex_ else None)
+                weight = self._weight(lt.device, m * (2 if complex_ else 1))
+                plan = _HashPlan(stride, as_int, weight, f"{tuple(t.shape)}:{t.dtype}".encode())
+            self._plans[key] = plan
+        return plan
+
+    def _hash(self, t: torch.Tensor, plan: "_HashPlan") -> torch.Tensor:
+        flat = local(t.detach()).reshape(-1)  # detached: no graph, without a no_grad context
+        if plan.stride > 1:
+            flat = flat[:: plan.stride]
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
-        if flat.dtype == torch.bool:
+        if plan.as_int is torch.uint8:
             flat = flat.to(torch.uint8)
-        elif flat.is_floating_point():
-            flat = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
-        v = flat.to(torch.int64)
-        return (v * self._weight(v.device, v.numel())).sum()
+        elif plan.as_int is not None:
+            flat = flat.contiguous().view(plan.as_int)
+        if flat.dtype is not torch.int64:
+            flat = flat.to(torch.int64)
+        if flat.is_cpu:
+            return torch.dot(flat, plan.weight)  # the same wrapping int64 sum, one call on the CPU
+        return (flat * plan.weight).sum()
 
     def observe(self, batch: Any) -> None:
         """Fold ``batch`` (a tensor, or lists / tuples / dicts of them) into this step's fingerprint."""
         found: list[torch.Tensor] = []
         _tensors(batch, found)
-        with torch.no_grad():
-            for t in found:
-                h = self._hash(t)
-                if h is None:
-                    continue
-                meta = f"{tuple(t.shape)}:{t.dtype}".encode()
-                self._meta = zlib.crc32(meta, self._meta)
-                if self._pending is None:
-                    self._pending = h
-                else:
-                    self._pending = self._pending.to(h.device) * _FP_MIX + h
+        for t in found:
+            plan = self._plan(t)
+            if plan is None:
+                continue
+            h = self._hash(t, plan)
+            self._meta = zlib.crc32(plan.meta, self._meta)
+            if self._pending is None:
+                self._pending = h
+            else:
+                self._pending = self._pending.to(h.device) * _FP_MIX + h
 
     def use_explicit(self) -> None:
         """From now on only what ``observe`` is given explicitly counts (``report_batch``):

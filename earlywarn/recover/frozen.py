@@ -10,9 +10,11 @@ registered inside the model is frozen and written every step, so it moves its ve
 before the first snapshot and is copied like anything else.
 
 A frozen parameter may be unfrozen later (a late unfreeze in fine-tuning): a step pre-hook on the
-optimizer looks, before every update, for a referenced parameter that now requires grad (or whose
-version counter moved), and copies its still-unchanged values to the host into every snapshot that
-referenced it, before the optimizer writes it. Assumed: a frozen parameter is written only after
+optimizer looks, before every update, for a referenced parameter that the optimizer holds and that
+now requires grad (or whose version counter moved), and copies its still-unchanged values to the
+host into every snapshot that referenced it, before the optimizer writes it. Only those: a LoRA
+optimizer holds the adapters alone, so its steps look at nothing; the parameters no optimizer
+holds (which no step can write) are looked at once per snapshot. Assumed: a frozen parameter is written only after
 it is unfrozen (an in-place write while frozen -- through ``.data``, which bypasses the version
 counter, or by a loop that edits it between steps -- cannot be undone by a rewind; a version
 change is warned about).
@@ -69,6 +71,14 @@ class FrozenRefs:
         self._seen: dict[int, int] = {id(p): p._version for p in model.parameters() if not p.requires_grad}
         self._hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._hooks: list[Any] = []
+        # The per-step check looks only at referenced parameters a hooked optimizer holds (it can
+        # write them once they are unfrozen): the others are looked at once per snapshot.
+        self._held: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+        self._held_ids: set[int] = set()
+        self._stepped: dict[int, tuple[torch.nn.Parameter, int]] = {}  # the refs the per-step check sees
+        # every name a parameter has (tied weights have several), walked once: a snapshot then
+        # looks at the frozen ones by name instead of walking the model
+        self._named = list(model.named_parameters(remove_duplicate=False))
         self.hook(optimizer)
 
     def hook(self, optimizer: torch.optim.Optimizer) -> None:
@@ -86,18 +96,31 @@ class FrozenRefs:
     def shared(self, model: torch.nn.Module, sd: Mapping[str, Any]) -> set[int]:
         """ids of the ``sd`` values (a ``model.state_dict()``) that are frozen parameters never
         written since first seen: what :func:`~earlywarn.recover._state.to_host` keeps as it is."""
-        frozen = {_storage(p): p for p in model.parameters()
-                  if not p.requires_grad and local(p).numel() > 0 and self._static(p)}
-        if not frozen:
-            return set()
-        ids = set()
-        for v in sd.values():
-            p = frozen.get(_storage(v)) if isinstance(v, torch.Tensor) else None
-            if p is not None:
-                ids.add(id(v))
-                if id(p) not in self._refs:
-                    self._refs[id(p)] = (p, p._version)
+        self._check(self._refs)  # the references no optimizer step looks at, too
+        ids: set[int] = set()
+        scan: dict[tuple, torch.nn.Parameter] = {}  # frozen ones not found under their names
+        for name, p in self._named:  # (parameters added after watch() are copied: never wrong)
+            if p.requires_grad or local(p).numel() == 0 or not self._static(p):
+                continue
+            v = sd.get(name)
+            key = _storage(p)
+            if isinstance(v, torch.Tensor) and _storage(v) == key:
+                self._reference(p, v, ids)
+            else:
+                scan[key] = p
+        if scan:  # a state_dict that names them otherwise: found by storage
+            for v in sd.values():
+                p = scan.get(_storage(v)) if isinstance(v, torch.Tensor) else None
+                if p is not None:
+                    self._reference(p, v, ids)
         return ids
+
+    def _reference(self, p: torch.nn.Parameter, v: torch.Tensor, ids: set[int]) -> None:
+        ids.add(id(v))
+        if id(p) not in self._refs:
+            self._refs[id(p)] = (p, p._version)
+            if id(p) in self._held_ids:
+                self._stepped[id(p)] = self._refs[id(p)]
 
     def hold(self, host: HostCopy, shared: set[int]) -> None:
         """``host`` references the frozen parameters ``shared`` names (its own bytes exclude them)."""
@@ -106,10 +129,22 @@ class FrozenRefs:
             self._holders.add(host)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for pid, (p, version) in list(self._refs.items()):
+        groups = optimizer.param_groups
+        layout = tuple(len(g["params"]) for g in groups)
+        if self._held.get(optimizer) != layout:  # first step, or add_param_group: who holds what, again
+            self._held[optimizer] = layout
+            self._held_ids = {id(p) for opt in self._held for g in opt.param_groups for p in g["params"]}
+            self._stepped = {pid: ref for pid, ref in self._refs.items() if pid in self._held_ids}
+        if self._stepped:
+            self._check(self._stepped)
+
+    def _check(self, refs: dict[int, tuple[torch.nn.Parameter, int]]) -> None:
+        """Release the references in ``refs`` that were unfrozen or written since they were taken."""
+        for pid, (p, version) in list(refs.items()):
             if p.requires_grad or p._version != version:
                 self._release(p, changed=p._version != version)
                 del self._refs[pid]
+                self._stepped.pop(pid, None)
                 self._seen[pid] = _MOVING
 
     def _release(self, p: torch.nn.Parameter, *, changed: bool) -> None:

@@ -55,7 +55,7 @@ def capture_state(
     scaler: Any = None,
     data: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
-    reuse: Mapping[str, Any] | None = None,
+    reuse: "HostCopy | Mapping[str, Any] | None" = None,
     check_finite: bool = False,
 ) -> HostCopy:
     """Host copy of the full training state. ``data`` is the loader's position state (already a
@@ -78,9 +78,13 @@ def capture_state(
     refs = frozen_refs(model, optimizer)
     shared = refs.shared(model, model_sd)  # frozen weights: referenced, not copied (recover/frozen.py)
     host = to_host(live, reuse, side=optimizer_tensors(optimizer), check_finite=check_finite, agree=agree,
-                   shared=shared)
-    refs.hold(host, shared)
+                   shared=shared, planned=_PLANNED)
+    refs.hold(host, host.kept)
     return host
+
+
+# the parts of a snapshot that are flat mappings of tensors: copied by plan (see _state._PartPlan)
+_PLANNED = (("model",), ("optimizer", "state"))
 
 
 def restore_state(
@@ -235,7 +239,7 @@ class SnapshotRing:
         if victim is not None:
             self._entries.remove(victim)
             # a writer still reading it (an async disk write) keeps its buffers; else recycle them
-            reuse = victim.host.tree if victim.pinned == 0 else None
+            reuse = victim.host if victim.pinned == 0 else None
         host = capture_state(
             step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             data=data, extra=extra, reuse=reuse,

@@ -238,7 +238,7 @@ class SnapshotKeeper:
             self.ring.add(snap)
             kept = {id(s) for s in self.ring.entries}
             # the evicted snapshot's buffers take the next copy (no fresh host memory per snapshot)
-            self._spare = next((s.host.tree for s in before if id(s) not in kept and s.clean and s.pinned == 0), None)
+            self._spare = next((s.host for s in before if id(s) not in kept and s.clean and s.pinned == 0), None)
             self.baseline.refresh(self.live.model)  # the last known-good buffers (new or resized ones)
             self._check_budget(snap)
         if p.to_disk:
@@ -252,7 +252,7 @@ class SnapshotKeeper:
         if p.to_disk:
             self.last_checkpoint = p.prev_checkpoint_step
         if p.snap.host.ready():  # buffers no copy writes any more: the next snapshot reuses them
-            self._spare = p.snap.host.tree
+            self._spare = p.snap.host
 
     def _data_state(self, pending: int = 0) -> dict[str, Any] | None:
         return self.data.state_dict(pending) if self.data.restorable else None

@@ -8,8 +8,8 @@ update, and then costs a rewind. The periodic snapshot's finiteness pass finds e
 ``snapshot_every`` steps late. So every step, the state is read once on the device: a poisoned
 moment is repaired before the update that would use it, and no step is lost.
 
-How: one fused L2 norm per device and dtype over every floating state tensor, nested state
-included (``torch._foreach_norm``: NaN and Inf propagate into a norm), summed into one number
+How: one planned L2 norm pass per device and dtype over every floating state tensor, nested
+state included (``capture.norms``: NaN and Inf propagate into a norm), summed into one number
 that rides in the step's statistics vector -- no extra host read, no extra sync. A huge finite
 value whose square overflows float32 (CPU) reads as non-finite: a false alarm that the exact scan
 then settles (nothing is repaired). Cost: one read of the optimizer state per step, about twice
@@ -18,23 +18,39 @@ the guard's gradient-norm pass for Adam (measured in ``docs/benchmarks.md``).
 
 from __future__ import annotations
 
-import collections
 import math
+import operator
+from itertools import chain
 from typing import Any
 
 import torch
 
+from earlywarn.capture.norms import NormSum
+
 from ._state import local
+
+
+def _checked(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and t.layout == torch.strided
 
 
 def _state_tensors(tree: object, out: list[torch.Tensor]) -> None:
     # flat dicts of tensors (torch.optim) cost one loop; containers (heavyball) recurse
     for v in tree.values() if isinstance(tree, dict) else tree:  # type: ignore[attr-defined]
         if type(v) is torch.Tensor or isinstance(v, torch.Tensor):
-            if (v.is_floating_point() or v.is_complex()) and v.numel() > 0 and v.layout == torch.strided:
+            if _checked(v):
                 out.append(local(v))
         elif isinstance(v, (dict, list, tuple)):
             _state_tensors(v, out)
+
+
+def _flat_values(state: Any) -> list[Any] | None:
+    """Every per-parameter state's values in one list, in C (``None`` when a per-parameter
+    state is not a dict)."""
+    try:
+        return list(chain.from_iterable(map(dict.values, state.values())))
+    except TypeError:
+        return None
 
 
 def check_every(optimizer: torch.optim.Optimizer, every: int | None) -> int:
@@ -53,30 +69,54 @@ class StateCheck:
         self.optimizer = optimizer
         self.retry_after = retry_after
         self._failed_at: int | None = None  # a repair that left the state non-finite: not retried every step
+        # The walk, planned: ids of the state's values when last walked, which of them are checked,
+        # and how their norms are taken (stacked by shape on the CPU: capture/norms.py)
+        self._ids: list[int] | None = None
+        self._pick: Any = None
+        self._local = False
+        self._sum: NormSum | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """The floating state tensors as they are now (walked every step: optimizers may replace
-        a state tensor rather than write it in place, and a kept list would then go stale)."""
+        """The floating state tensors as they are now. Walked again whenever a state value is
+        not the object it was (optimizers may replace a state tensor rather than write it in
+        place, and a kept list would then go stale): for flat per-parameter dicts -- every
+        torch.optim optimizer -- that test is one pass in C over the values' ids; nested state
+        (containers inside) is walked every time."""
+        values = _flat_values(self.optimizer.state)
+        if values is not None and self._ids is not None and list(map(id, values)) == self._ids:
+            return self._picked(values)
         out: list[torch.Tensor] = []
         for st in self.optimizer.state.values():
             _state_tensors(st, out)
+        self._plan(values, out)
         return out
+
+    def _picked(self, values: list[Any]) -> list[torch.Tensor]:
+        ts = list(self._pick(values))
+        return [local(t) for t in ts] if self._local else ts
+
+    def _plan(self, values: list[Any] | None, walked: list[torch.Tensor]) -> None:
+        """Plan the next calls from this walk, when the state is flat (no containers inside)."""
+        self._ids, self._sum = None, None
+        if values is None or any(isinstance(v, (dict, list, tuple)) for v in values):
+            return
+        picked = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and _checked(v)]
+        if len(picked) != len(walked):
+            return  # not what the walk found (cannot happen for flat state): no plan
+        self._ids = list(map(id, values))
+        self._pick = (lambda xs: ()) if not picked else (lambda xs, i=picked[0]: (xs[i],)) if len(picked) == 1 \
+            else operator.itemgetter(*picked)
+        self._local = any(v is not local(v) for v in values if isinstance(v, torch.Tensor))
 
     def flag(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """A 1-element tensor on ``device``: finite iff every state tensor is (0 before the
         optimizer's first step). Issued on the device; nothing is read on the host here."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
-        for t in self.tensors():
-            groups[(t.device, t.dtype)].append(t)
-        if not groups:
+        ts = self.tensors()
+        if not ts:
             return torch.zeros(1, dtype=dtype, device=device)
-        sums = []
-        for (dev, dt), ts in groups.items():
-            norms = torch._foreach_norm(ts, 2) if dt.is_complex else torch._foreach_norm(
-                ts, 2, dtype=torch.float64 if (dev.type == "cuda" or dt == torch.float64) else torch.float32)
-            total = torch.stack(norms).sum()
-            sums.append(total if dev == device else total.to(device, non_blocking=device.type == "cuda"))
-        return torch.stack([s.to(dtype) for s in sums]).sum().reshape(1)
+        if self._sum is None or self._ids is None:
+            self._sum = NormSum(ts)  # the list changed (or is walked every time): planned anew
+        return self._sum.total(ts, device, dtype)
 
     def repair_if_poisoned(self, value: float, recovery: Any, step: int) -> bool:
         """``value``: the flag as read on the host with the step's vector. When the state holds

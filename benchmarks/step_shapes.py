@@ -1,0 +1,134 @@
+"""The model shapes the per-step overhead is measured on (``benchmarks/overhead.py``).
+
+Each ``make_<shape>(seed)`` returns ``(model, optimizer, loss_of)``: ``loss_of(i)`` runs the forward
+pass of step ``i`` on fixed, pre-drawn data and returns the loss. Every shape runs with one torch
+thread; step times are those of this project's 2-core CPU machines.
+
+- ``small``: 291 small tensors (145 residual ``Linear(8, 8)`` blocks and a head), compute
+  negligible, AdamW(foreach=True): what earlywarn pays per tensor, against one ``clip_grad_norm_``.
+- ``gpt``: the fast step of ``examples/tinygpt.py`` (2 layers, d=128, batch 8 x 64, fused AdamW, ~18 ms).
+- ``lora``: peft LoRA (r=4 on q/v, 3.6k trainable parameters) on a Llama of 0.86M frozen ones (~14 ms).
+- ``tinylm``: what a user tries first: ``nn.TransformerEncoder`` (2 layers, d=128) between an
+  embedding and a head, plain AdamW (~15 ms).
+- ``cnn``: a small ResNet with BatchNorm (buffers in every snapshot) on 32x32 images, SGD with
+  Nesterov momentum (~15 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from tinygpt import GPT, GPTConfig  # noqa: E402
+
+Shape = tuple[nn.Module, torch.optim.Optimizer, Callable[[int], torch.Tensor]]
+
+
+class ResidualStack(nn.Module):
+    """291 small tensors: 145 residual ``Linear(8, 8)`` blocks and a bias-free head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(145))
+        self.head = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + 0.1 * torch.tanh(b(x))
+        return self.head(x)
+
+
+def make_small(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    model = ResidualStack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)) for _ in range(256)]
+    return model, opt, lambda i: F.mse_loss(model(data[i % 256][0]), data[i % 256][1])
+
+
+def make_gpt(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 128, (8, 64), generator=g), torch.randint(0, 128, (8, 64), generator=g))
+            for _ in range(16)]
+    return model, opt, lambda i: model(*data[i % 16])[1]
+
+
+def make_lora(seed: int = 0) -> Shape:
+    import peft
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=112, intermediate_size=448, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 2048, (4, 65), generator=g) for _ in range(16)]
+    return model, opt, lambda i: model(input_ids=data[i % 16][:, :-1], labels=data[i % 16][:, 1:]).loss
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 256, d: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=4 * d, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.encoder(self.emb(x), mask=mask, is_causal=True))
+
+
+def make_tinylm(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (4, 65), generator=g) for _ in range(16)]
+
+    def loss_of(i: int) -> torch.Tensor:
+        x = data[i % 16]
+        return F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
+    return model, opt, loss_of
+
+
+class _Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = nn.Sequential() if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + self.skip(x))
+
+
+def make_cnn(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                          _Block(16, 16, 1), _Block(16, 32, 2), _Block(32, 64, 2),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(16)]
+    return model, opt, lambda i: F.cross_entropy(model(data[i % 16][0]), data[i % 16][1])
+
+
+SHAPES: dict[str, Callable[[int], Shape]] = {
+    "small": make_small, "gpt": make_gpt, "lora": make_lora, "tinylm": make_tinylm, "cnn": make_cnn}
