@@ -4,7 +4,10 @@ the loop's own learning rate stays above it (an LR pulse ends, a ramp decays).
 
 It acts around each optimizer step only (every param group's ``lr`` scaled for the call and put
 back right after), so whoever sets the learning rate -- a scheduler, the loop -- keeps its values,
-and it lifts itself once the loop's learning rate is back within ``release`` times the ceiling.
+and it lifts itself once the loop's learning rate has stayed within ``release`` times the ceiling
+for ``settle`` steps in a row. One step back under it is not enough: a rewind that restores the
+scheduler (or a loop that counts its schedule from ``ew.step``) sets the loop's learning rate back
+below the ceiling for the few steps until its ramp passes it again.
 """
 
 from __future__ import annotations
@@ -18,17 +21,20 @@ from ..capture.updates import learning_rate
 
 
 class LrCeiling:
-    """``release``: the ceiling lifts once the loop's learning rate is at most this times it."""
+    """``release``, ``settle``: the ceiling lifts once the loop's learning rate has been at most
+    ``release`` times it for ``settle`` optimizer steps in a row."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, release: float = 1.5) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, release: float = 1.5, settle: int = 50) -> None:
         self.optimizer = optimizer
         self.release = release
+        self.settle = settle
         self.ceiling: float | None = None
+        self.calm = 0  # steps in a row with the loop's learning rate back within release x the ceiling
 
     def hold(self, ceiling: float) -> None:
         if not (math.isfinite(ceiling) and ceiling > 0.0):
             raise ValueError(f"an LR ceiling must be a finite number > 0, got {ceiling!r}")
-        self.ceiling = ceiling
+        self.ceiling, self.calm = ceiling, 0
 
     def factor(self, lr: float | None) -> float:
         """What the loop's learning rate ``lr`` is scaled by now (1.0 without a ceiling over it)."""
@@ -36,12 +42,13 @@ class LrCeiling:
         return 1.0 if c is None or lr is None or lr <= c else c / lr
 
     def after_step(self) -> bool:
-        """Lift the ceiling once the loop's learning rate has come back; True when it just did."""
+        """Lift the ceiling once the loop's learning rate has stayed back; True when it just did."""
         if self.ceiling is None:
             return False
         lr = learning_rate(self.optimizer)
-        if lr is not None and lr <= self.release * self.ceiling:
-            self.ceiling = None
+        self.calm = self.calm + 1 if lr is not None and lr <= self.release * self.ceiling else 0
+        if self.calm >= self.settle:
+            self.ceiling, self.calm = None, 0
             return True
         return False
 
@@ -55,11 +62,12 @@ class LrCeiling:
         return step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_ceiling": self.ceiling}
+        return {"lr_ceiling": self.ceiling, "lr_ceiling_calm": self.calm}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         c = d.get("lr_ceiling")
         self.ceiling = None if c is None else float(c)
+        self.calm = int(d.get("lr_ceiling_calm", 0))
 
 
 def scaled_step(optimizer: torch.optim.Optimizer, factor: float, step_fn: Callable[..., Any], args: Any,

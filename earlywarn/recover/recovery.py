@@ -190,8 +190,8 @@ class Recovery:
         clean = clean and self.window.clean(step)
         if self.lr_ceiling.after_step():
             self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_ceiling",
-                            message="the loop's learning rate is back near the highest the run had survived: "
-                                    "earlywarn no longer holds it down",
+                            message=f"the loop's learning rate has stayed near the highest the run had survived for "
+                                    f"{self.lr_ceiling.settle} steps: earlywarn no longer holds it down",
                             values={"lr_ceiling": math.nan}))
         if self.recurrence.after_step(step, clean=clean):
             self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_factor",
