@@ -342,3 +342,31 @@ def test_report_batch_replaces_the_input_hook_and_detach_removes_it(tmp_path):
     with_loader = earlywarn.watch(model, opt, sinks=[], loader=ResumableLoader(TensorDataset(x0), 4))
     assert with_loader._input_hook is None  # positions name the batches
     with_loader.close()
+
+
+def test_an_lr_jump_the_run_does_not_take_is_rewound_to_the_copy_taken_before_its_update(tmp_path):
+    # the jump's own warning opens the episode; its update, not the state before it, is what went
+    # wrong: the rewind goes to the copy of the step before the jump (2 steps lost), not to the
+    # periodic snapshot before that (12 steps further back)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    reports = []
+    ew.on_rewind(reports.append)
+    while ew.step < 120:
+        it = ew.step
+        for g in opt.param_groups:
+            g["lr"] = 2e-2 * (60.0 if 62 <= it < 80 else 1.0)  # a pulse from step 62 on
+        x = torch.randn(32, 8)
+        loss = nn.functional.mse_loss(model(x), x @ W)
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert reports, "the pulse was taken"
+    first = reports[0]
+    assert first.restored_step == 61 and first.lost_steps <= 5
+    held = [e for e in ew.events if e.signal == "lr_ceiling" and "a jump" in e.message]
+    assert held and held[0].values["lr_ceiling"] == pytest.approx(2e-2)  # stepped at the LR it had survived
+    ew.close()

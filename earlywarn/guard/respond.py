@@ -156,10 +156,16 @@ class Responses:
         first = onset(tag.step, [a for a in decision.alerts if a.level >= Level.WARNING])
         if "nonfinite_streak" in decision.policy.rewind_triggers:
             first = min(first, tag.step - decision.policy.nonfinite_streak + 1)
-        if episode.onset is not None:
-            first = min(first, episode.onset)
+        began = episode.onset
         if decision.policy.onset_back:  # the policy traced the incident back (an abnormal update, an LR jump)
-            first = min(first, tag.step - decision.policy.onset_back + 1)
+            traced = tag.step - decision.policy.onset_back + 1
+            if "lr_jump" in decision.policy.rewind_triggers and began == traced - 1:
+                # the episode opened with the jump's own warning: its update is what went wrong, the
+                # state before it (the copy taken then) is clean
+                began = None
+            first = min(first, traced)
+        if began is not None:
+            first = min(first, began)
         first = max(0, first)
         scan = decision.scan  # taken on a non-finite step; a finite divergence needs none here
         # a finite loss and finite gradients came from finite weights: no scan to take
