@@ -20,9 +20,9 @@ Faults, injected once at step ``--fault-step``:
   update writes NaN into that weight, the loss after it is NaN: a rewind;
 * ``lr_spike``: one step at 100x the learning rate (a glitch, not the schedule);
 * ``lr_ramp``: the loop's schedule ramps the learning rate up without bound from the fault step
-  on (a misconfigured schedule): the instability comes back after every rewind -- it must end in
-  a ``Halt`` that names the recurrence and the learning rate, never rewinding further back than
-  the first time.
+  on (a misconfigured schedule): the instability the ramp brings is rewound once, and then the
+  optimizer steps at the highest learning rate the run had survived while the loop's stays above
+  it (the LR ceiling; issue 20), never rewinding further back than the first time.
 
 Per run it prints the rewinds (steps lost each = incident step - restored step), the batches
 replayed (a batch trained or abandoned before a rewind that is trained again after it -- by the
