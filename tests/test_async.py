@@ -313,3 +313,54 @@ def test_an_async_step_reads_no_value_on_the_host():
             step()  # each also judges an earlier step: detector, policy, metrics
     assert reads.count == 0
     ew.close()
+
+
+class _GuardScalarReads(TorchDispatchMode):
+    """Scalar reads made by earlywarn itself: not inside the optimizer's own update (torch's AdamW
+    reads its step counts), and not the snapshot's finiteness flag, which on CUDA is a pinned host
+    copy read once its copy event completed (``recover/_state.py``: never a device sync)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"):
+            import traceback
+
+            frames = traceback.extract_stack()
+            if not any("/torch/optim/" in f.filename for f in frames) and not any(
+                    f.filename.endswith("recover/_state.py") and f.name == "finite" for f in frames):
+                self.where.append(" <- ".join(f"{f.name}" for f in frames[-6:]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_calm_sync_step_reads_no_scalar_on_the_host(clip):
+    # sync mode's one host read per step is the statistics vector itself (a view on the CPU, one
+    # copy on CUDA); the norms, the clip's shared norms, the state check, the fingerprint and the
+    # snapshots hand no single value to the host
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(snapshot_every=2))
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    for _ in range(12):  # warm: optimizer state, the first snapshots and their settling
+        step()
+    with _GuardScalarReads() as reads:
+        for _ in range(20):  # snapshots every 2 steps, the state check every 10th: both inside
+            step()
+    assert reads.where == []
+    assert ew.counters["steps"] == 32 and ew.counters["skipped_steps"] == 0
+    ew.close()
