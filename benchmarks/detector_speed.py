@@ -39,7 +39,9 @@ from earlywarn.detect import Detector, Observation, StepColumns, StreamingDetect
 from earlywarn.events import Level  # noqa: E402
 
 
-def synthetic(steps: int, layers: int, seed: int = 0) -> list[Observation]:
+def synthetic_columns(steps: int, layers: int, seed: int = 0) -> StepColumns:
+    """The run replayed here (and pinned by ``tests/detector_golden.py``): spikes, an escalation,
+    a non-finite step, a zero layer, an LR warm-up and cosine."""
     rng = np.random.default_rng(seed)
     scale = np.exp(rng.normal(-3, 1, layers))
     lay = scale * np.exp(rng.normal(0, 0.1, (steps, layers)))
@@ -53,9 +55,13 @@ def synthetic(steps: int, layers: int, seed: int = 0) -> list[Observation]:
     g = np.sqrt(np.nansum(lay ** 2, axis=1))
     g[esc + 10] = np.nan
     loss = 3.0 * np.exp(-np.linspace(0, 0.5, steps) + rng.normal(0, 0.01, steps))
-    lr = learning_rates(steps)
-    return [Observation(step=i, grad_norm=float(g[i]), loss=float(loss[i]), layer_norms=lay[i],
-                        extras={"lr": float(lr[i])}) for i in range(steps)]
+    return StepColumns(step=np.arange(steps), grad_norm=g, loss=loss, layer_norms=lay,
+                       extras={"lr": (learning_rates(steps), None)})
+
+
+def synthetic(steps: int, layers: int, seed: int = 0) -> list[Observation]:
+    cols = synthetic_columns(steps, layers, seed)
+    return [cols.observation(i) for i in range(steps)]
 
 
 def learning_rates(steps: int) -> np.ndarray:

@@ -286,6 +286,17 @@ GOALS = {  # (shape, variant) -> the issue's goal: a ratio at most this
 VARIANTS = ("bare", "bare again (A/A)", "guard alone", "defaults")
 
 
+def _on_thread_clock(fn, record):
+    """``fn``, passing the thread CPU time of each call to ``record``."""
+    def timed(*args, **kwargs):
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.thread_time() - t0)
+    return timed
+
+
 class _Run:
     """One variant of one shape: its own model, optimizer and watcher; ``step()`` is the loop's.
 
@@ -312,13 +323,9 @@ class _Run:
         self.i = 0
 
     def _timed(self, fn, sign: int):
-        def timed(*args, **kwargs):
-            t0 = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.inner += sign * (time.thread_time() - t0)
-        return timed
+        def add(dt: float) -> None:
+            self.inner += sign * dt
+        return _on_thread_clock(fn, add)
 
     def step(self) -> tuple[float, float, float, float]:
         """(wall, thread CPU, optimizer.step() CPU, the guard's host CPU) of one step."""
@@ -472,22 +479,10 @@ def profile() -> None:
         fn = owner.__dict__[attr]
         restore.append((owner, attr, fn))
         spent[label] = 0.0
-        if isinstance(fn, property):
-            def timed_get(self, _f=fn.fget, _l=label):
-                t0 = time.thread_time()
-                try:
-                    return _f(self)
-                finally:
-                    spent[_l] += time.thread_time() - t0
-            setattr(owner, attr, property(timed_get))
-            continue
-
-        def timed(*a, _f=fn, _l=label, **k):
-            t0 = time.thread_time()
-            try:
-                return _f(*a, **k)
-            finally:
-                spent[_l] += time.thread_time() - t0
+        def add(dt: float, _l: str = label) -> None:
+            spent[_l] += dt
+        timed = (property(_on_thread_clock(fn.fget, add)) if isinstance(fn, property)
+                 else _on_thread_clock(fn, add))
         setattr(owner, attr, timed)
     try:
         t0 = time.thread_time()

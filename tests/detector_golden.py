@@ -62,24 +62,10 @@ def _bloom_columns():
 def _synthetic_columns(steps: int = 20_000, layers: int = 50):
     """``benchmarks/detector_speed.py``'s run: spikes, an escalation, a non-finite step, a zero
     layer, an LR warm-up and cosine."""
-    from earlywarn.detect import StepColumns
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from detector_speed import synthetic_columns
 
-    rng = np.random.default_rng(0)
-    scale = np.exp(rng.normal(-3, 1, layers))
-    lay = scale * np.exp(rng.normal(0, 0.1, (steps, layers)))
-    spikes = rng.choice(np.arange(1000, steps - 10), size=steps // 500, replace=False)
-    lay[spikes] *= rng.uniform(3, 8, (len(spikes), 1))
-    esc = steps // 2
-    for j, f in enumerate((3.0, 9.0, 30.0)):
-        lay[esc + j] *= f
-    lay[esc + 10, 3] = np.nan
-    lay[steps // 3: steps // 3 + 200, 7] = 0.0
-    g = np.sqrt(np.nansum(lay ** 2, axis=1))
-    g[esc + 10] = np.nan
-    loss = 3.0 * np.exp(-np.linspace(0, 0.5, steps) + rng.normal(0, 0.01, steps))
-    t = np.arange(steps)
-    lr = np.where(t < 2000, 3e-4 * (t + 1) / 2000, 3e-5 + 2.7e-4 * 0.5 * (1 + np.cos(np.pi * t / steps)))
-    return StepColumns(step=t, grad_norm=g, loss=loss, layer_norms=lay, extras={"lr": (lr, None)})
+    return synthetic_columns(steps, layers)
 
 
 def cases() -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -278,6 +279,26 @@ def test_mode_selection():
         earlywarn.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="async", sinks=[])
 
 
+_HOST_READS = ("_local_scalar_dense", "item", "is_nonzero", "equal", "tolist")  # a tensor's value to the host
+
+
+def _mlp_step(model: nn.Module, opt: torch.optim.Optimizer, ew: Any, *, clip: bool = False) -> Callable[[], None]:
+    """One training step of ``model`` on fresh random data per call (the loop clips when ``clip``)."""
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
 class _ScalarReads(TorchDispatchMode):
     """Counts the operations that hand a tensor's value to the host (a sync on CUDA)."""
 
@@ -286,7 +307,7 @@ class _ScalarReads(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"):
+        if func.overloadpacket.__name__ in _HOST_READS:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -296,16 +317,7 @@ def test_an_async_step_reads_no_value_on_the_host():
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ew = earlywarn.watch(model, opt, mode="async", sinks=[], recovery=RecoveryConfig(snapshot_every=1000))
-    g = torch.Generator().manual_seed(0)
-
-    def step() -> None:
-        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        ew.report_loss(loss)
-        loss.backward()
-        opt.step()
-
+    step = _mlp_step(model, opt, ew)
     for _ in range(3):  # warm: optimizer state, the first snapshot and its settling
         step()
     with _ScalarReads() as reads:
@@ -325,7 +337,7 @@ class _GuardScalarReads(TorchDispatchMode):
         self.where: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"):
+        if func.overloadpacket.__name__ in _HOST_READS:
             import traceback
 
             frames = traceback.extract_stack()
@@ -344,18 +356,7 @@ def test_a_calm_sync_step_reads_no_scalar_on_the_host(clip):
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(snapshot_every=2))
-    g = torch.Generator().manual_seed(0)
-
-    def step() -> None:
-        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        ew.report_loss(loss)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
+    step = _mlp_step(model, opt, ew, clip=clip)
     for _ in range(12):  # warm: optimizer state, the first snapshots and their settling
         step()
     with _GuardScalarReads() as reads:

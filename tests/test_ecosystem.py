@@ -23,19 +23,9 @@ from earlywarn.recover import RecoveryConfig
 from earlywarn.recover._state import optimizer_tensors, restore_optimizer, to_host
 from earlywarn.recover.repair import repair_optimizer_state, scan_state
 from earlywarn.recover.snapshot import capture_state
+from fixtures_models import MLP
 
 torch.set_num_threads(1)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
 
 
 def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

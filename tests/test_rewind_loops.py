@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 
 import pytest
 import torch
@@ -206,6 +205,22 @@ def test_a_ramp_the_rewind_set_back_stays_held_by_the_ceiling_to_the_end(tmp_pat
     assert not lifted and ew.recovery.lr_ceiling.ceiling is not None
 
 
+def _train_until(ew, model, opt, until, lr_at, after_step=None) -> None:
+    """The MLP regression loop, the learning rate set by the loop from ``ew.step`` (``lr_at``),
+    until ``ew.step`` reaches ``until``; ``after_step`` runs after each ``opt.step()``."""
+    while ew.step < until:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(ew.step)
+        x = torch.randn(32, 8)
+        loss = nn.functional.mse_loss(model(x), x @ W)
+        ew.report_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+
+
 def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
     from earlywarn.policy import PolicyConfig
 
@@ -214,24 +229,18 @@ def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
     ew = earlywarn.watch(model, opt, sinks=[], policy=PolicyConfig(rewind_cooldown=500),
                          recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl"), on_recurrence="lower_lr"))
-    poisoned = None
+    poisoned = []
+
+    def poison_after_the_first_rewind() -> None:
+        if ew.counters["rewinds"] == 1 and not poisoned:
+            poisoned.append(ew.step)  # a second incident soon after the first rewind: NaN weights
+            model.hidden.weight.detach().fill_(float("nan"))
+
     try:
-        while ew.step < 200:
-            it = ew.step
-            for g in opt.param_groups:
-                g["lr"] = 2e-2 * 1.08 ** max(0, it - 40)
-            x = torch.randn(32, 8)
-            loss = nn.functional.mse_loss(model(x), x @ W)
-            ew.report_loss(loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if ew.counters["rewinds"] == 1 and poisoned is None:
-                poisoned = ew.step  # a second incident soon after the first rewind: NaN weights
-                model.hidden.weight.detach().fill_(float("nan"))
+        _train_until(ew, model, opt, 200, lambda it: 2e-2 * 1.08 ** max(0, it - 40), poison_after_the_first_rewind)
     except Halt:
         pass
-    assert poisoned is not None
+    assert poisoned
     notes = [e for e in ew.events if e.kind is Kind.REWIND and e.values.get("rewound") == 0.0]
     assert notes and "cooldown" in notes[0].message and "PolicyConfig.rewind_cooldown" in notes[0].message
     assert ew.counters["rewinds"] == 1  # the second trigger got a note (or the halt), not a rewind
@@ -354,16 +363,7 @@ def test_an_lr_jump_the_run_does_not_take_is_rewound_to_the_copy_taken_before_it
     ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
     reports = []
     ew.on_rewind(reports.append)
-    while ew.step < 120:
-        it = ew.step
-        for g in opt.param_groups:
-            g["lr"] = 2e-2 * (60.0 if 62 <= it < 80 else 1.0)  # a pulse from step 62 on
-        x = torch.randn(32, 8)
-        loss = nn.functional.mse_loss(model(x), x @ W)
-        ew.report_loss(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_until(ew, model, opt, 120, lambda it: 2e-2 * (60.0 if 62 <= it < 80 else 1.0))  # a pulse from step 62 on
     assert reports, "the pulse was taken"
     first = reports[0]
     assert first.restored_step == 61 and first.lost_steps <= 5

@@ -99,7 +99,11 @@ def hf_trainer(fault: Fault, options: dict[str, Any], tmp_path: Any, steps: int 
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
     cb = EarlywarnTrainerCallback(**options)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[cb])
+    return _trainer_run("hf_trainer", fault, trainer, cb, model, param, emb)
 
+
+def _trainer_run(codebase: str, fault: Fault, trainer: Any, cb: Any, model: nn.Module, param: torch.Tensor,
+                 emb: nn.Module) -> CellResult:
     def torch_opt() -> torch.optim.Optimizer | None:
         return cb.watcher.optimizer if cb.watcher is not None else None
 
@@ -111,7 +115,7 @@ def hf_trainer(fault: Fault, options: dict[str, Any], tmp_path: Any, steps: int 
         exc = e
     w = cb.watcher
     opt = w.optimizer if w is not None else trainer.optimizer
-    return _finish("hf_trainer", fault, w, inj, model, opt, exc, [])
+    return _finish(codebase, fault, w, inj, model, opt, exc, [])
 
 
 # ------------------------------------------------------------------------------ Lightning

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import earlywarn
-from codebases import VOCAB, _finish, _plain_loop, lm_batches
+from codebases import VOCAB, _plain_loop, _trainer_run, lm_batches
 from harness import CellResult, Fault, Injector, guarded_run
 
 
@@ -138,22 +138,6 @@ def peft_lora_loop(fault: Fault, options: dict[str, Any], steps: int = 36) -> Ce
 
     return _plain_loop("peft_lora_loop", fault, model, opt, param, emb, lm_batches(steps, 8, 32, seed=11), loss_fn,
                        options)
-
-
-def _trainer_run(codebase: str, fault: Fault, trainer: Any, cb: Any, model: nn.Module, param: torch.Tensor,
-                 emb: nn.Module) -> CellResult:
-    def torch_opt() -> torch.optim.Optimizer | None:
-        return cb.watcher.optimizer if cb.watcher is not None else None
-
-    inj = Injector(fault, model=model, param=param, input_module=emb, optimizer=torch_opt)
-    exc: BaseException | None = None
-    try:
-        trainer.train()
-    except Exception as e:  # noqa: BLE001 - Halt included: the invariants report it
-        exc = e
-    w = cb.watcher
-    opt = w.optimizer if w is not None else trainer.optimizer
-    return _finish(codebase, fault, w, inj, model, opt, exc, [])
 
 
 def peft_lora_hf_trainer(fault: Fault, options: dict[str, Any], tmp_path: Any, steps: int = 36) -> CellResult:
