@@ -267,6 +267,8 @@ class PolicyDecision:
         return self.actions[0] if self.actions else Action.NONE
 
 
+_NOTHING = PolicyDecision()  # a calm step's decision (immutable: one for all)
+
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
 
 
@@ -306,10 +308,12 @@ class Policy:
         skips this step for a reason of its own (a finite gradient whose square overflows): it
         counts toward the streak like a non-finite one (a state that gives every batch such a
         gradient is broken). ``evidence``: the step's gradient and loss over their typical values."""
+        alerts = list(alerts)
+        if not alerts and not skipped and self.probe is None and self.nonfinite_streak == 0:
+            return self.calm(evidence.lr)
         cfg = self.cfg
         self.tick += 1
         t = self.tick
-        alerts = list(alerts)
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
@@ -426,6 +430,16 @@ class Policy:
             return 0, None
         self.probe = None
         return t - first, survived if survived == survived and survived > 0 else None
+
+    def calm(self, lr: float = math.nan) -> PolicyDecision:
+        """:meth:`decide` for a step with no alerts, nothing skipped and no learning-rate jump
+        being watched (most steps): the same bookkeeping, and nothing to do. ``lr``: the
+        learning rate the step takes (NaN: unknown)."""
+        self.tick += 1
+        if lr == lr:
+            self.lrs.append((self.tick, lr))
+        self.outliers = 0
+        return _NOTHING
 
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""

@@ -65,7 +65,9 @@ def test_mixed_dtypes_take_one_fused_norm_per_dtype_and_no_atomics():
     with Ops() as ops:
         sq = stats.layer_sq_norms()
     assert ops.names.count("_foreach_norm") == 2  # one per (device, dtype) group: the fused path kept
-    assert "index_add" not in ops.names and "index_add_" not in ops.names
+    # the per-layer sums: one index_add_ on the CPU, a sequential loop there (a fixed order; on
+    # CUDA, where it would use atomics, a padded gather and row sums instead)
+    assert ops.names.count("index_add_") + ops.names.count("index_add") == 1, ops.names
     np.testing.assert_allclose(sq.numpy(), reference_sq(lm, lm.params), rtol=1e-5)
 
 
@@ -104,6 +106,19 @@ def test_many_small_cpu_tensors_are_stacked_by_shape_bit_for_bit_and_counted_in_
     lm.params[bad].grad[3] = math.nan
     counts = stats.layer_nonfinite_counts()
     assert counts.nonzero().flatten().tolist() == [lm.layer_of[bad]] and counts.sum().item() == 1
+
+
+def test_a_few_tensors_of_one_shape_take_the_fused_loop_not_a_stack():
+    # 4 blocks: 4 tensors of each shape, fewer than STACK_MIN: a stack would cost more (in place)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lm = build_layer_map(model, opt)
+    stats = GradStats(lm)
+    model(torch.randn(4, 8)).square().mean().backward()
+    with Ops() as ops:
+        sq = stats.layer_sq_norms()
+    assert ops.names.count("_foreach_norm") == 1 and "linalg_vector_norm" not in ops.names
+    np.testing.assert_allclose(sq.numpy(), reference_sq(lm, lm.params), rtol=1e-6)
 
 
 def test_the_plan_follows_which_parameters_lack_a_gradient_not_only_how_many():

@@ -210,24 +210,32 @@ class GradStats:
         return self._weights
 
     def _per_layer(self, per_tensor: torch.Tensor, *, as_present: bool = False) -> torch.Tensor:
-        """Per-tensor values -> per-layer sums, in a fixed order on every run and rank: a gather
-        into a (layers x widest layer) table padded with zeros, then row sums (``index_add_``
-        uses atomics on CUDA, whose order -- and so the last bits -- can differ between ranks).
-        ``as_present``: the values come in the parameters' order, not the norm plan's."""
+        """Per-tensor values -> per-layer sums, in a fixed order on every run and rank.
+        ``as_present``: the values come in the parameters' order, not the norm plan's.
+
+        On the CPU one ``index_add_`` (a sequential loop there: a fixed order). Elsewhere a gather
+        into a (layers x widest layer) table padded with zeros, then row sums: ``index_add_``
+        uses atomics on CUDA, whose order -- and so the last bits -- can differ between runs."""
         index = self._index_present if as_present else self._index
         if index is None:
             layer_of = self.layer_map.layer_of
-            rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
-            for col, pos in enumerate(range(len(self._present)) if as_present else self._order()):
-                rows[layer_of[self._present[pos]]].append(col)
-            pad = len(self._present)  # the appended zero
-            width = max(1, max(len(r) for r in rows))
-            table = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
-            index = to_device(table, self._device)
+            cols = range(len(self._present)) if as_present else self._order()
+            if self._device.type == "cpu":
+                index = torch.tensor([layer_of[self._present[pos]] for pos in cols], dtype=torch.long)
+            else:
+                rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
+                for col, pos in enumerate(cols):
+                    rows[layer_of[self._present[pos]]].append(col)
+                pad = len(self._present)  # the appended zero
+                width = max(1, max(len(r) for r in rows))
+                index = to_device(torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long),
+                                  self._device)
             if as_present:
                 self._index_present = index
             else:
                 self._index = index
+        if index.dim() == 1:
+            return per_tensor.new_zeros(self.layer_map.num_layers).index_add_(0, index, per_tensor)
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
         return padded[index].sum(dim=1)
 

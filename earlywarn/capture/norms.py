@@ -3,9 +3,9 @@
 ``torch._foreach_norm`` is one fused kernel per chunk of tensors on CUDA. On the CPU it loops
 over the tensors in C++ and pays a full dispatch per tensor (~1-2 us): for the hundreds of small
 tensors of a real model (biases, norm weights, adapters) that costs more than the arithmetic.
-There, tensors of up to :data:`SMALL` elements that share a shape are stacked (one copy of a few
-KB each) and reduced row by row in one call -- the same values, bit for bit -- and only the
-others go through ``_foreach_norm``. The plan (which tensor goes where) depends on the shapes
+There, tensors of up to :data:`SMALL` elements that share a shape (at least :data:`STACK_MIN` of
+them) are stacked (one copy of a few KB each) and reduced row by row in one call -- the same
+values, bit for bit -- and only the others go through ``_foreach_norm``. The plan (which tensor goes where) depends on the shapes
 only, so it is made once per set of tensors and reused every step.
 """
 
@@ -20,6 +20,11 @@ import torch
 SMALL = 4096
 """Elements up to which a CPU tensor is stacked with others of its shape (measured: stacking
 costs less than a per-tensor dispatch up to ~16k float32 elements; 4096 keeps a margin)."""
+
+STACK_MIN = 16
+"""Tensors of one shape that make a stack worth its three calls. Measured in place, after a
+backward pass has left the caches cold (every call then costs ~10x its warm time): stacks of
+2-8 tensors cost more than their turns in ``_foreach_norm``'s loop; 16 and more save."""
 
 
 def _picker(members: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
@@ -49,10 +54,10 @@ class NormPlan:
                 rest.append(i)
         stacks = []
         for members in by_shape.values():
-            if len(members) > 1:
+            if len(members) >= STACK_MIN:
                 stacks.append(members)
             else:
-                rest.extend(members)  # one tensor of its shape: nothing to save by stacking it
+                rest.extend(members)  # a few tensors of their shape: the loop costs less than a stack
         rest.sort()
         self._stacks = [(_picker(m), len(m)) for m in stacks]
         self._rest = _picker(rest) if rest else None

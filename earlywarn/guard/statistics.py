@@ -56,16 +56,18 @@ def as_scalar(value: Any, fn: str, what: str) -> torch.Tensor:
         if value.numel() != 1:
             raise ValueError(f"{fn} takes a scalar {what}, got a tensor of shape {tuple(value.shape)}: "
                              "reduce it first (e.g. .mean())")
-        return value.detach().reshape(())
+        value = value.detach()
+        return value if value.dim() == 0 else value.reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(f"{fn} takes a scalar tensor or a float, got {type(value).__name__}")
 
 
 def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
-    """A scalar onto the statistics vector's device without making the host wait."""
+    """A scalar onto the statistics vector's device without making the host wait (in its own
+    dtype when it is there already: ``torch.cat`` promotes it, one call fewer)."""
     if t.device == dev:
-        return t.to(dt).reshape(1)
+        return t.reshape(1) if dt == torch.float64 and not t.is_complex() else t.to(dt).reshape(1)
     if t.device.type == "cpu" and dev.type == "cuda":
         # A host value (report_loss(float)): a fill kernel takes it as an argument. Copying a
         # pageable tensor with non_blocking=True may be synchronous after all.

@@ -164,7 +164,9 @@ class BatchFingerprints:
         return plan
 
     def _hash(self, t: torch.Tensor, plan: "_HashPlan") -> torch.Tensor:
-        flat = local(t.detach()).reshape(-1)  # detached: no graph, without a no_grad context
+        if t.requires_grad:
+            t = t.detach()  # no graph, without a no_grad context
+        flat = local(t).reshape(-1)
         if plan.stride > 1:
             flat = flat[:: plan.stride]
         if flat.is_complex():
