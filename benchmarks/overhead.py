@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--rounds 12] [--block 25] [--shapes small,gpt,lora,tinylm,cnn,gpt+clip]
     python benchmarks/overhead.py --profile gpt [--steps 300]     # where one step's host work goes
+    python benchmarks/overhead.py --against REV [--shapes ...]    # the working tree's guard vs git REV's, paired
     python benchmarks/overhead.py --alternatives [--steps 12]     # 11M GPT: vs clip, wandb.watch, .item()
     python benchmarks/overhead.py --agreement [--steps 60]        # DDP, gloo, 2 processes
 
@@ -17,6 +18,11 @@ inside it, plus ``report_loss`` and the batch fingerprint), which the machine's 
 touches: its median over rounds, over the bare step, is the estimate the goals are judged on.
 ``small`` relates it to one ``clip_grad_norm_(foreach=True)`` over the same gradients. ``gpt+clip``:
 every variant clips at 1.0 (earlywarn reads the clip's own per-tensor norms: one norm pass).
+
+``--against REV``: the guard's in-place host time of the working tree against that of git revision
+``REV`` (its ``earlywarn/`` package, imported under another name; sinks from the working tree's
+``integrations/``), both with the default sinks, side by side in one process (ABBA): a change of
+~50 us per step shows through the machine's noise, which two separate runs of the table do not.
 
 ``--profile``: the guard's functions timed in place on the thread's CPU clock (inclusive, a
 wrapper each) over ``--steps`` steps with the default sinks: what one step's host work is made of.
@@ -304,17 +310,17 @@ class _Run:
     host work in place -- ``optimizer.step()`` less the optimizer's own update inside it, plus
     ``report_loss`` and the forward pre-hook's fingerprint -- on the thread's CPU clock."""
 
-    def __init__(self, shape: str, variant: str, out_dir: str, *, timed: bool = True) -> None:
+    def __init__(self, shape: str, variant: str, out_dir: str, *, timed: bool = True, package=earlywarn) -> None:
         from step_shapes import SHAPES
 
         self.clip = shape.endswith("+clip")
         self.model, self.opt, self.loss_of = SHAPES[shape.removesuffix("+clip")](0)
         self.ew = None
         if variant == "guard alone":
-            self.ew = earlywarn.watch(self.model, self.opt, sinks=[])
+            self.ew = package.watch(self.model, self.opt, sinks=[])
         elif variant == "defaults":
-            os.environ["EARLYWARN_OUTPUT_DIR"] = os.path.join(out_dir, shape)
-            self.ew = earlywarn.watch(self.model, self.opt)
+            os.environ["EARLYWARN_OUTPUT_DIR"] = os.path.join(out_dir, shape, package.__name__)
+            self.ew = package.watch(self.model, self.opt)
         self.inner = 0.0  # CPU time of the update itself and of the fingerprints, this step
         if self.ew is not None and timed:
             self.ew._install.real_step = self._timed(self.ew._install.real_step, sign=1)
@@ -430,6 +436,78 @@ def table() -> None:
           "what the A/A rows show of the machine's noise")
 
 
+# -- the working tree against an earlier revision ------------------------------------------------------
+def _earlywarn_at(rev: str):
+    """``earlywarn/`` as of git revision ``rev``, imported as ``earlywarn_at_<rev>`` (its imports
+    rewritten; its tracker sinks are the working tree's, ``integrations/`` lives outside it)."""
+    import importlib
+    import re
+    import subprocess
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    name = "earlywarn_at_" + re.sub(r"\W", "_", rev)
+    tmp = tempfile.mkdtemp(prefix="ew-against-")
+    tar = subprocess.run(["git", "-C", root, "archive", rev, "earlywarn"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
+    os.rename(os.path.join(tmp, "earlywarn"), os.path.join(tmp, name))
+    for folder, _, files in os.walk(os.path.join(tmp, name)):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                with open(path) as fh:
+                    src = fh.read()
+                src = re.sub(r"\bearlywarn(?=[. ]|$)", name, src, flags=re.M)
+                src = src.replace(f"{name}.integrations", "earlywarn.integrations")
+                with open(path, "w") as fh:
+                    fh.write(src)
+    sys.path.insert(0, tmp)
+    return importlib.import_module(name)
+
+
+def against() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", required=True)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--block", type=int, default=25)
+    ap.add_argument("--warm", type=int, default=60)
+    ap.add_argument("--shapes", default="small,gpt,lora,tinylm,cnn,gpt+clip")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    older = _earlywarn_at(args.against)
+    out_dir = tempfile.mkdtemp(prefix="ew-against-out-")
+    print(f"the guard's host time per step in place (defaults), {args.against} vs the working tree, one process, "
+          f"ABBA, {args.rounds} rounds x {args.block} steps; load average {os.getloadavg()[0]:.1f}")
+    print(f"| shape | bare step | {args.against} | working tree | difference, paired (median, rounds min..max) |")
+    print("|---|---:|---:|---:|---:|")
+    for shape in args.shapes.split(","):
+        runs = {"bare": _Run(shape, "bare", out_dir), "old": _Run(shape, "defaults", out_dir, package=older),
+                "new": _Run(shape, "defaults", out_dir)}
+        order = list(runs)
+        for run in runs.values():
+            for _ in range(args.warm):
+                run.step()
+        guard = {k: [] for k in runs}
+        cpu = []
+        for r in range(args.rounds):
+            sums = dict.fromkeys(runs, 0.0)
+            bare_cpu = 0.0
+            for turn in range(args.block):
+                for k in (order if turn % 2 == 0 else order[::-1]):
+                    _, c, _, g = runs[k].step()
+                    sums[k] += g
+                    if k == "bare":
+                        bare_cpu += c
+            for k in runs:
+                guard[k].append(sums[k] / args.block)
+            cpu.append(bare_cpu / args.block)
+        diff = [n - o for n, o in zip(guard["new"], guard["old"])]
+        print(f"| {shape} | {statistics.median(cpu) * 1e3:.2f} ms | {statistics.median(guard['old']) * 1e6:.0f} us | "
+              f"{statistics.median(guard['new']) * 1e6:.0f} us | {statistics.median(diff) * 1e6:+.0f} us "
+              f"({min(diff) * 1e6:+.0f}..{max(diff) * 1e6:+.0f}) |", flush=True)
+        for run in runs.values():
+            run.close()
+
+
 # -- a profile of one step's host work -----------------------------------------------------------------
 
 def _profile_points() -> list[tuple[object, str, str, int]]:
@@ -512,6 +590,8 @@ if __name__ == "__main__":
         agreement(ap.parse_args().steps)
     elif "--alternatives" in sys.argv:
         alternatives()
+    elif "--against" in sys.argv:
+        against()
     elif "--profile" in sys.argv:
         profile()
     else:
