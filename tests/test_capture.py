@@ -87,15 +87,21 @@ def test_per_layer_sum_is_exact_and_repeatable_and_follows_unused_parameters():
     assert counts.tolist() == [0.0] * lm.num_layers
 
 
-def test_many_small_cpu_tensors_are_stacked_by_shape_bit_for_bit_and_counted_in_place():
-    # 40 residual blocks of Linear(8, 8): 80 small tensors in 2 shapes, plus one larger weight
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)], nn.Linear(8, 600, bias=False))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    lm = build_layer_map(model, opt)
+def _norms_of_one_backward(model: nn.Module):
+    """(layer map, GradStats, the calls its layer_sq_norms made, what it returned) after one backward
+    of ``model`` (8 inputs)."""
+    lm = build_layer_map(model, torch.optim.SGD(model.parameters(), lr=0.1))
     stats = GradStats(lm)
     model(torch.randn(4, 8)).square().mean().backward()
     with Ops() as ops:
         sq = stats.layer_sq_norms()
+    return lm, stats, ops, sq
+
+
+def test_many_small_cpu_tensors_are_stacked_by_shape_bit_for_bit_and_counted_in_place():
+    # 40 residual blocks of Linear(8, 8): 80 small tensors in 2 shapes, plus one larger weight
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)], nn.Linear(8, 600, bias=False))
+    lm, stats, ops, sq = _norms_of_one_backward(model)
     # per shape one stack and one row-wise norm; only the tensor alone of its shape takes _foreach_norm
     assert ops.names.count("stack") >= 2 and ops.names.count("linalg_vector_norm") == 2
     grads = [p.grad for p in lm.params]
@@ -110,13 +116,7 @@ def test_many_small_cpu_tensors_are_stacked_by_shape_bit_for_bit_and_counted_in_
 
 def test_a_few_tensors_of_one_shape_take_the_fused_loop_not_a_stack():
     # 4 blocks: 4 tensors of each shape, fewer than STACK_MIN: a stack would cost more (in place)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    lm = build_layer_map(model, opt)
-    stats = GradStats(lm)
-    model(torch.randn(4, 8)).square().mean().backward()
-    with Ops() as ops:
-        sq = stats.layer_sq_norms()
+    lm, _, ops, sq = _norms_of_one_backward(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]))
     assert ops.names.count("_foreach_norm") == 1 and "linalg_vector_norm" not in ops.names
     np.testing.assert_allclose(sq.numpy(), reference_sq(lm, lm.params), rtol=1e-6)
 
