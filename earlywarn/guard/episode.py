@@ -48,7 +48,7 @@ class Episode:
             if serious:
                 first = onset(step, serious)
                 ep = replace(ep, incident=step, onset=first if ep.onset is None else min(ep.onset, first))
-        if not _within(ep.incident, step, self.window):
+        if ep.onset is not None and not _within(ep.incident, step, self.window):
             ep = replace(ep, onset=None)
         return replace(ep, elevated=elevated) if ep.elevated != elevated else ep
 
