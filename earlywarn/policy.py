@@ -308,12 +308,10 @@ class Policy:
         skips this step for a reason of its own (a finite gradient whose square overflows): it
         counts toward the streak like a non-finite one (a state that gives every batch such a
         gradient is broken). ``evidence``: the step's gradient and loss over their typical values."""
-        alerts = list(alerts)
-        if not alerts and not skipped and self.probe is None and self.nonfinite_streak == 0:
-            return self.calm(evidence.lr)
         cfg = self.cfg
         self.tick += 1
         t = self.tick
+        alerts = list(alerts)
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
@@ -431,10 +429,16 @@ class Policy:
         self.probe = None
         return t - first, survived if survived == survived and survived > 0 else None
 
+    @property
+    def watching(self) -> bool:
+        """A step without alerts still needs :meth:`decide`: a learning-rate jump is being watched,
+        or a non-finite streak is to be ended. Otherwise :meth:`calm` answers it."""
+        return self.probe is not None or self.nonfinite_streak != 0
+
     def calm(self, lr: float = math.nan) -> PolicyDecision:
-        """:meth:`decide` for a step with no alerts, nothing skipped and no learning-rate jump
-        being watched (most steps): the same bookkeeping, and nothing to do. ``lr``: the
-        learning rate the step takes (NaN: unknown)."""
+        """:meth:`decide` of a step with no alerts and nothing skipped while nothing is
+        :attr:`watching` (most steps): the same bookkeeping and the same empty decision, without
+        building the evidence. ``lr``: the learning rate the step takes (NaN: unknown)."""
         self.tick += 1
         if lr == lr:
             self.lrs.append((self.tick, lr))

@@ -319,3 +319,38 @@ def test_an_lr_jump_told_by_a_warning_of_another_rule_is_watched_too():
     assert p.decide(50, together, Evidence(8.0, 1.6, 6e-2)).lr_copy
     d = p.decide(51, [], Evidence(5.0, 1.7, 6e-2))
     assert d.actions == (Action.REWIND,) and d.lr_ceiling == 1e-3 and d.onset_back == 1
+
+
+def test_calm_is_decide_of_a_step_without_alerts_while_nothing_is_watched():
+    # random runs of every kind of alert (LR jumps watched, streaks, outliers, divergences): at each
+    # step without alerts and nothing watched, calm() leaves the state decide() would and decides the same
+    import copy
+    import random
+
+    from earlywarn.policy import Evidence
+
+    kinds = [Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE, Kind.GRAD_SPIKE, Kind.COLLAPSE_RISK, Kind.LOSS_DIVERGED]
+    compared = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        p = Policy()
+        for s in range(200):
+            lr = rng.choice([1e-3, 1e-3, 1e-3, 3e-3, 1e-2])
+            alerts = []
+            if rng.random() < 0.15:
+                kind = rng.choice(kinds + [Kind.GRAD_OUTLIER])
+                values = {"steps": rng.randint(1, 6)}
+                if kind is Kind.GRAD_OUTLIER:
+                    values.update(ratio=rng.choice([30.0, 1e4]), loss_ratio=1.0)
+                if kind is Kind.COLLAPSE_RISK and rng.random() < 0.5:
+                    values["lr_ref"] = 1e-3
+                alerts = [ev(s, kind, **values)]
+            evidence = Evidence(rng.uniform(0.5, 3.0), rng.uniform(0.5, 3.0), lr)
+            if alerts or p.watching:
+                p.decide(s, alerts, evidence, state_finite=rng.choice([None, True]))
+                continue
+            ref = copy.deepcopy(p)
+            assert p.calm(lr) == ref.decide(s, [], evidence)
+            assert p.state_dict() == ref.state_dict()
+            compared += 1
+    assert compared > 2000

@@ -100,9 +100,12 @@ class Judge:
         # before (an instability that goes on is the streak's and the divergence rule's to answer).
         state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
         repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
-        lr = obs.extras.get("lr", float("nan"))
-        policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr), state_finite=state_finite,
-                                    skipped=overflow, repairable=repairable)
+        lr = obs.extras.get("lr", math.nan)
+        if alerts or overflow or scan is not None or self.policy.watching:
+            policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr),
+                                        state_finite=state_finite, skipped=overflow, repairable=repairable)
+        else:
+            policy = self.policy.calm(lr)  # most steps: nothing to decide, no evidence to build
         # async: a policy SKIP cannot be honoured, the update was queued before it was judged
         wanted = Action.SKIP in policy and not self._late or loss_bad and not self._late
         skip = nonfinite or overflow or wanted or Action.REPAIR in policy
