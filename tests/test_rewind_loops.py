@@ -205,12 +205,16 @@ def test_a_ramp_the_rewind_set_back_stays_held_by_the_ceiling_to_the_end(tmp_pat
     assert not lifted and ew.recovery.lr_ceiling.ceiling is not None
 
 
-def _train_until(ew, model, opt, until, lr_at, after_step=None) -> None:
-    """The MLP regression loop, the learning rate set by the loop from ``ew.step`` (``lr_at``),
-    until ``ew.step`` reaches ``until``; ``after_step`` runs after each ``opt.step()``."""
+def _train_until(ew, model, opt, until, lr_at=None, after_step=None, before_step=None) -> None:
+    """The MLP regression loop until ``ew.step`` reaches ``until``: the learning rate set by the
+    loop from ``ew.step`` (``lr_at``; None: left as it is); ``before_step`` runs before each
+    step's forward, ``after_step`` after each ``opt.step()``."""
     while ew.step < until:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(ew.step)
+        if before_step is not None:
+            before_step()
+        if lr_at is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(ew.step)
         x = torch.randn(32, 8)
         loss = nn.functional.mse_loss(model(x), x @ W)
         ew.report_loss(loss)
@@ -292,18 +296,14 @@ def test_async_mode_rewinds_one_step_late_and_drops_the_step_in_flight(tmp_path)
                          recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
     reports, seen = [], []
     ew.on_rewind(reports.append)
-    poisoned = False
-    while ew.step < 70:
-        seen.append(ew.step)
-        x = torch.randn(32, 8)
-        loss = nn.functional.mse_loss(model(x), x @ W)
-        ew.report_loss(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    poisoned = []
+
+    def poison_after_step_41() -> None:
         if ew.step == 42 and not poisoned:  # after the update of step 41
-            poisoned = True
+            poisoned.append(True)
             model.hidden.weight.detach().fill_(float("nan"))
+
+    _train_until(ew, model, opt, 70, after_step=poison_after_step_41, before_step=lambda: seen.append(ew.step))
     ew.flush()
     (r,) = reports
     # NaN weights after step 41, NaN loss at 42, read one step late (inside step 43)
