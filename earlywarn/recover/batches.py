@@ -148,7 +148,6 @@ class BatchFingerprints:
         key = (t.shape, t.dtype, t.device, t.layout)
         plan = self._plans.get(key)
         if plan is None and key not in self._plans:
-            plan = None
             lt = local(t)  # a DTensor: this rank's shard
             if t.layout == torch.strided and lt.numel() > 0 and t.device.type != "meta":
                 n = lt.numel()
