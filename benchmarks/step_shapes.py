@@ -130,5 +130,46 @@ def make_cnn(seed: int = 0) -> Shape:
     return model, opt, lambda i: F.cross_entropy(model(data[i % 16][0]), data[i % 16][1])
 
 
+class MoE(nn.Module):
+    """A mixture of experts: top-1 routing over 8 experts in each of 4 layers, 8 tokens a batch,
+    so that some experts get no token -- and their parameters no gradient -- at a step, and
+    which ones changes from step to step (139 tensors)."""
+
+    def __init__(self, d: int = 64, experts: int = 8, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.gates = nn.ModuleList(nn.Linear(d, experts) for _ in range(layers))
+        self.experts = nn.ModuleList(
+            nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts))
+            for _ in range(layers))
+        self.head = nn.Linear(d, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for gate, experts in zip(self.gates, self.experts):
+            choice = gate(h).argmax(-1)
+            out = torch.zeros_like(h)
+            for e, expert in enumerate(experts):
+                chosen = choice == e
+                if chosen.any():
+                    out[chosen] = expert(h[chosen])
+            h = h + out
+        return self.head(h)
+
+
+def make_moe(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    model = MoE()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (1, 9), generator=g) for _ in range(64)]
+
+    def loss_of(i: int) -> torch.Tensor:
+        x = data[i % 64]
+        return F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
+    return model, opt, loss_of
+
+
 SHAPES: dict[str, Callable[[int], Shape]] = {
-    "small": make_small, "gpt": make_gpt, "lora": make_lora, "tinylm": make_tinylm, "cnn": make_cnn}
+    "small": make_small, "gpt": make_gpt, "lora": make_lora, "tinylm": make_tinylm, "cnn": make_cnn,
+    "moe": make_moe}

@@ -133,6 +133,25 @@ def test_the_plan_follows_which_parameters_lack_a_gradient_not_only_how_many():
         np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
 
 
+def test_sets_of_parameters_with_a_gradient_seen_lately_are_not_planned_again(monkeypatch):
+    # a mixture of experts: which experts got a token (and so a gradient) changes every step
+    experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+    lm = build_layer_map(experts, torch.optim.SGD(experts.parameters(), lr=0.1))
+    stats = GradStats(lm)
+    made = []
+    make = GradStats._make_plan
+    monkeypatch.setattr(GradStats, "_make_plan", lambda self, *a: (self is stats and made.append(a[0])) or make(self, *a))
+    routed = [(0, 1), (2,), (0, 1), (1, 2, 3), (2,), (0, 1), (1, 2, 3)]
+    for used in routed:
+        for e, ex in enumerate(experts):
+            for p in ex.parameters():
+                p.grad = torch.randn_like(p) if e in used else None
+        np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
+        fresh = GradStats(lm).layer_sq_norms()  # planned from scratch: the same bits
+        assert torch.equal(stats.layer_sq_norms(), fresh)
+    assert len(made) == 3  # one plan per set of experts, made the first time it was met
+
+
 def test_sparse_and_complex_gradients_are_measured_and_counted():
     emb = nn.Embedding(10, 4, sparse=True)
     lin = nn.Linear(4, 4).to(torch.complex64)

@@ -27,6 +27,7 @@ summing the vector over ranks (``capture.distributed``, one all-reduce) gives ex
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -119,8 +120,46 @@ class _Group:
     device: torch.device
     dtype: torch.dtype
     sparse: bool
-    members: list[int]  # positions in GradStats._present
+    members: list[int]  # positions in _Plan.present
     plan: NormPlan | None = None  # dense groups: how their norms are taken (capture/norms.py)
+
+
+class _Plan:
+    """How the gradients of one set of parameters (those that have one: ``key``) are read."""
+
+    __slots__ = ("key", "nones", "present", "pick", "groups", "simple", "shareable", "index", "index_present",
+                 "weights")
+
+    def __init__(self, key: tuple[bool, ...], present: list[int], groups: list[_Group], sharded: bool) -> None:
+        self.key = key
+        self.nones = len(key) - len(present)  # parameters without a gradient
+        self.present = present
+        # the gradients of `present`, in C (operator.itemgetter)
+        self.pick: Any = operator.itemgetter(*present) if len(present) > 1 else (
+            (lambda xs, i=present[0]: (xs[i],)) if present else (lambda xs: ()))
+        self.groups = groups
+        # one group, plain tensors: the gradient list goes to the norm plan as it is
+        self.simple = len(groups) == 1 and not sharded and not groups[0].sparse
+        # ... and the loop's clip, which takes the norms in the gradients' own precision, can lend its own
+        self.shareable = self.simple and groups[0].dtype in (torch.float32, torch.float64)
+        self.index: torch.Tensor | None = None  # per-tensor -> per-layer, made on first use
+        self.index_present: torch.Tensor | None = None
+        self.weights: torch.Tensor | None = None
+
+    def order(self) -> list[int]:
+        """Positions in ``present``, in the order the per-tensor results are concatenated."""
+        out = []
+        for grp in self.groups:
+            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
+            out += [grp.members[j] for j in order]
+        return out
+
+
+PLANS_KEPT = 16
+"""Plans kept, by the set of parameters that had a gradient. A model whose set changes from step
+to step (a mixture of experts: an expert no token was routed to gets none) plans only a set it
+has not met lately, and such a plan reads a gradient's layout and shape only: its device and
+dtype are its parameter's, kept from the first plan that met it (:meth:`GradStats._route`)."""
 
 
 class GradStats:
@@ -132,21 +171,14 @@ class GradStats:
     def __init__(self, layer_map: LayerMap, *, exact: bool = False):
         self.layer_map = layer_map
         self.exact = exact
-        self._key: tuple[bool, ...] | None = None
-        self._nones = -1  # parameters without a gradient when the plan was made (-1: no plan yet)
-        self._simple = False
-        self._present: list[int] = []
-        self._pick: Any = None  # the gradients of _present, in C (operator.itemgetter)
-        self._groups: list[_Group] = []
+        self._plan: _Plan | None = None  # the plan of the last step's set of parameters with a gradient
+        self._plans: OrderedDict[tuple[bool, ...], _Plan] = OrderedDict()  # recent ones, newest last
+        self._routes: list[tuple | None] = [None] * len(layer_map.params)  # per parameter: its gradient's group
         self._device = gather_device([_local(p).device for p in layer_map.params])
-        self._index: torch.Tensor | None = None
-        self._index_present: torch.Tensor | None = None
-        self._shareable = False
         self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
         self._world = torch.distributed.get_world_size() if self.sharded else 1
-        self._weights: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -157,57 +189,61 @@ class GradStats:
         """This step's gradients of the planned parameters (identity tests only, in C: ``None in
         grads`` would call ``Tensor.__eq__`` on every gradient)."""
         grads = list(map(_GRAD, self.layer_map.params))
-        if self._nones == 0:
-            if not any(map(operator.is_, grads, repeat(None))):
-                return grads  # the common step: every parameter has a gradient, the plan stands
-        elif self._nones > 0:
-            present = self._pick(grads)
-            if (not any(map(operator.is_, present, repeat(None)))
-                    and sum(map(operator.is_, grads, repeat(None))) == self._nones):
-                return present  # the same parameters lack a gradient as when the plan was made
+        plan = self._plan
+        if plan is not None:
+            if plan.nones == 0:
+                if not any(map(operator.is_, grads, repeat(None))):
+                    return grads  # the common step: every parameter has a gradient, the plan stands
+            else:
+                present = plan.pick(grads)
+                if (not any(map(operator.is_, present, repeat(None)))
+                        and sum(map(operator.is_, grads, repeat(None))) == plan.nones):
+                    return present  # the same parameters lack a gradient as when the plan was made
         key = tuple(map(operator.is_not, grads, repeat(None)))
-        if key != self._key:
-            self._replan(key, grads)
-        self._nones = key.count(False)
-        return grads if not self._nones else self._pick(grads)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(key, grads)
+            if len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        self._plan = plan
+        return grads if not plan.nones else plan.pick(grads)
 
-    def _replan(self, key: tuple[bool, ...], grads: list[torch.Tensor | None]) -> None:
-        # Parameters without a gradient this step (unused branches) drop out; re-plan once per key.
-        self._key = key
-        self._present = [i for i, has in enumerate(key) if has]
-        self._pick = operator.itemgetter(*self._present) if len(self._present) > 1 else (
-            (lambda xs, i=self._present[0]: (xs[i],)) if self._present else (lambda xs: ()))
+    def _route(self, i: int, g: torch.Tensor) -> tuple:
+        """(device, dtype, sparse) of parameter ``i``'s gradient ``g`` (its local shard): fixed
+        for a parameter (autograd and the ``.grad`` setter keep a gradient's dtype, device and
+        shape those of its parameter), so read once per parameter; the layout is checked again
+        at every plan."""
+        route = self._routes[i]
+        if route is None or route[2] is not g.is_sparse:
+            lg = _local(g)
+            route = self._routes[i] = (lg.device, lg.dtype, lg.is_sparse)
+        return route
+
+    def _make_plan(self, key: tuple[bool, ...], grads: list[torch.Tensor | None]) -> _Plan:
+        # Parameters without a gradient this step (unused branches) drop out.
+        present = [i for i, has in enumerate(key) if has]
         groups: dict[tuple, _Group] = {}
-        for pos, i in enumerate(self._present):
-            g = _local(grads[i])  # type: ignore[arg-type]
-            k = (g.device, g.dtype, g.is_sparse)
-            groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
-        self._groups = list(groups.values())
-        for grp in self._groups:
+        for pos, i in enumerate(present):
+            k = self._route(i, grads[i])  # type: ignore[arg-type]
+            grp = groups.get(k)
+            if grp is None:
+                grp = groups[k] = _Group(k[0], k[1], k[2], [])
+            grp.members.append(pos)
+        for grp in groups.values():
             if not grp.sparse:
-                grp.plan = NormPlan([_local(grads[self._present[m]]) for m in grp.members])  # type: ignore[arg-type]
-        self._index = self._index_present = None
-        self._weights = None
-        # one group, plain tensors: the gradient list goes to the norm plan as it is
-        self._simple = len(self._groups) == 1 and not self.sharded and not self._groups[0].sparse
-        # ... and the loop's clip, which takes the norms in the gradients' own precision, can lend its own
-        self._shareable = self._simple and self._groups[0].dtype in (torch.float32, torch.float64)
-
-    def _order(self) -> list[int]:
-        # positions in _present, in the order the per-tensor results are concatenated
-        out = []
-        for grp in self._groups:
-            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
-            out += [grp.members[j] for j in order]
-        return out
+                grp.plan = NormPlan([_local(grads[present[m]]) for m in grp.members])  # type: ignore[arg-type]
+        return _Plan(key, present, list(groups.values()), self.sharded)
 
     def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
         if not self.sharded:
             return None
-        if self._weights is None or self._weights.dtype != dtype:
-            w = torch.tensor([_copy_weight(grads[m], self._world) for m in self._order()], dtype=dtype)
-            self._weights = to_device(w, self._device)
-        return self._weights
+        plan = self._plan
+        if plan.weights is None or plan.weights.dtype != dtype:
+            w = torch.tensor([_copy_weight(grads[m], self._world) for m in plan.order()], dtype=dtype)
+            plan.weights = to_device(w, self._device)
+        return plan.weights
 
     def _per_layer(self, per_tensor: torch.Tensor, *, as_present: bool = False) -> torch.Tensor:
         """Per-tensor values -> per-layer sums, in a fixed order on every run and rank.
@@ -216,24 +252,25 @@ class GradStats:
         On the CPU one ``index_add_`` (a sequential loop there: a fixed order). Elsewhere a gather
         into a (layers x widest layer) table padded with zeros, then row sums: ``index_add_``
         uses atomics on CUDA, whose order -- and so the last bits -- can differ between runs."""
-        index = self._index_present if as_present else self._index
+        plan = self._plan
+        index = plan.index_present if as_present else plan.index
         if index is None:
-            layer_of = self.layer_map.layer_of
-            cols = range(len(self._present)) if as_present else self._order()
+            layer_of, present = self.layer_map.layer_of, plan.present
+            cols = range(len(present)) if as_present else plan.order()
             if self._device.type == "cpu":
-                index = torch.tensor([layer_of[self._present[pos]] for pos in cols], dtype=torch.long)
+                index = torch.tensor([layer_of[present[pos]] for pos in cols], dtype=torch.long)
             else:
                 rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
                 for col, pos in enumerate(cols):
-                    rows[layer_of[self._present[pos]]].append(col)
-                pad = len(self._present)  # the appended zero
+                    rows[layer_of[present[pos]]].append(col)
+                pad = len(present)  # the appended zero
                 width = max(1, max(len(r) for r in rows))
                 index = to_device(torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long),
                                   self._device)
             if as_present:
-                self._index_present = index
+                plan.index_present = index
             else:
-                self._index = index
+                plan.index = index
         if index.dim() == 1:
             return per_tensor.new_zeros(self.layer_map.num_layers).index_add_(0, index, per_tensor)
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
@@ -245,7 +282,7 @@ class GradStats:
         the clip did not cover or that was written since (its version moved), or norms of another
         precision than this plan's (half-precision gradients, exact float64 statistics, several
         devices, sharded or sparse gradients)."""
-        if not self._shareable:
+        if not self._plan.shareable:
             return None
         ids, norms, versions = shared
         mine = list(map(id, dgrads))
@@ -278,8 +315,9 @@ class GradStats:
         as_present = self.last_shared = per_tensor is not None
         if per_tensor is None:
             parts = []
-            for grp in self._groups:
-                grads = dgrads if self._simple else [_local(dgrads[m]) for m in grp.members]
+            plan = self._plan
+            for grp in plan.groups:
+                grads = dgrads if plan.simple else [_local(dgrads[m]) for m in grp.members]
                 acc = _acc_dtype(grp.device, grp.dtype, exact)
                 if grp.plan is None:  # sparse
                     norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
@@ -304,7 +342,7 @@ class GradStats:
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         parts = []
-        for grp in self._groups:
+        for grp in self._plan.groups:
             order = grp.plan.order if grp.plan is not None else range(len(grp.members))
             grads = [_local(dgrads[grp.members[j]]) for j in order]  # the norms' order (see _order)
             values = [g.coalesce()._values() if grp.sparse else g for g in grads]
