@@ -223,6 +223,44 @@ def test_calm_steps_take_the_calm_path_even_with_a_frozen_layer():
     assert "grad_norm/h.5" not in sd.baselines()
 
 
+def _experts_run(T: int = 3000, seed: int = 5) -> StepColumns:
+    """A mixture of experts: after warm-up each step a random set of layers (experts no token
+    was routed to) reports 0; spikes, an escalation in one expert, a NaN, a layer that reports
+    for the first time late, and stretches where the set stays put."""
+    rng = np.random.default_rng(seed)
+    nl = len(LAYERS)
+    lay = 0.05 * np.exp(rng.normal(0, 0.1, (T, nl)))
+    idle = rng.random((T, nl)) < 0.35
+    idle[:400] = False  # every expert warms up first
+    idle[1500:1700] = idle[1500]  # the same idle set for a while
+    idle[:, 7] = np.arange(T) < 2200  # one expert nobody used until step 2200: warms up then
+    lay[idle] = 0.0
+    lay[900:906, 3] *= np.array([2, 4, 8, 16, 32, 64])  # an escalation in one expert
+    lay[1200] *= 8.0
+    lay[2500, 1] = np.nan
+    g = np.sqrt((np.nan_to_num(lay) ** 2).sum(1))
+    loss = 2.5 * np.exp(rng.normal(0, 0.01, T))
+    return StepColumns(step=np.arange(T), grad_norm=g, grad_known=np.ones(T, bool), loss=loss,
+                       layer_norms=lay, layers_known=np.ones(T, bool))
+
+
+@pytest.mark.parametrize("cuts", [(0, 3000), (0, 901, 1600, 2201, 3000)])
+def test_experts_idle_in_turn_stay_on_the_calm_path_with_the_same_bits(cuts):
+    from detector_paths import replay_three_ways
+
+    cols = _experts_run()
+    calls = []
+    general = Detector._general
+    try:
+        Detector._general = lambda self, *a: (calls.append(id(self)), general(self, *a))[1]
+        rows, alerts = replay_three_ways(cols, LAYERS, cuts)  # calm, general only, columns: the same bits
+    finally:
+        Detector._general = general
+    assert any("h.3" in m for _, m in alerts)  # the escalation was seen through the churn
+    # the row-by-row detector went general on warm-up and the trouble only, not on every new idle set
+    assert calls.count(id(rows.detector)) < 700, calls.count(id(rows.detector))
+
+
 def test_state_from_dict_rejects_a_mismatched_layout_or_an_older_version():
     sd = StreamingDetector(layer_names=LAYERS).state_dict()
     with pytest.raises(ValueError, match="version 1"):

@@ -24,6 +24,7 @@ _log = math.log
 _np_log, _subtract, _absolute, _less = np.log, np.subtract, np.absolute, np.less
 _copysign, _greater, _not_equal = np.copysign, np.greater, np.not_equal
 _fmax, _fmin, _multiply, _add = np.fmax, np.fmin, np.multiply, np.add
+_logical_and = np.logical_and
 _F64 = np.float64
 
 
@@ -43,17 +44,28 @@ def calm_update_values(w: Work, u: float | None, p: float | None) -> bool:
     return True
 
 
-def calm_frozen_layers(w: Work, ln: np.ndarray, nz: int) -> bool:
-    """Layer norms of which ``nz`` are not 0: layers reporting 0 are absent (a frozen layer),
-    calm only if they are the same ones as last step (their values stay parked on the
-    baseline); NaN and negative values are not calm."""
+def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int) -> bool:
+    """Layer norms of which ``nz`` are not 0: layers reporting 0 are absent (a frozen layer, an
+    expert no token was routed to); NaN and negative values are not calm. Another set of absent
+    layers than last step is calm when every layer present is mature: the set is then taken as
+    the general path's commit takes it (``Work.refresh``: the present layers' EMA rates, the
+    absent ones' values parked on their baselines), so a mixture of experts whose idle experts
+    change at every step stays on the calm path."""
     lm = w.layers_ok
     _greater(ln, 0.0, lm)
-    if nz != w.n_present or cnz(lm) != nz:
+    if cnz(lm) != nz:
         return False
-    _not_equal(lm, w.layer_present, lm)
-    if cnz(lm):
-        return False
+    moved = w.layer_moved
+    _not_equal(lm, w.layer_present, moved)
+    if nz != w.n_present or cnz(moved):
+        young = w.layer_young
+        _less(w.count[N_FIXED:w.layers_end], t.mature_n, young)
+        _logical_and(young, lm, young)
+        if cnz(young):
+            return False  # a layer still warming up: the general path admits its values
+        np.copyto(w.layer_present, lm)
+        w.n_present = nz
+        w.refresh(t)
     _np_log(ln, out=w.logv_layers, where=w.layer_present, dtype=_F64)
     return True
 
