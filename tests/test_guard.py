@@ -380,3 +380,51 @@ def test_prepared_gpu_check_runs_in_its_cpu_smoke_mode():
     out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "weight unchanged by that step: True" in out.stdout and out.stdout.rstrip().endswith("OK")
+
+
+class _Experts(nn.Module):
+    """Top-1 routing of 6 tokens over 4 experts in 2 layers: the experts that get no token (and
+    so no gradient) change from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.ModuleList(nn.Linear(8, 4) for _ in range(2))
+        self.experts = nn.ModuleList(nn.ModuleList(nn.Linear(8, 8) for _ in range(4)) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for gate, experts in zip(self.gate, self.experts):
+            choice = gate(h).argmax(-1)
+            out = torch.zeros_like(h)
+            for e, expert in enumerate(experts):
+                if (choice == e).any():
+                    out[choice == e] = expert(h[choice == e])
+            h = h + out
+        return h
+
+
+def test_a_mixture_of_experts_with_idle_experts_changing_stays_calm_and_planned(monkeypatch):
+    from earlywarn.capture.gradstats import PLANS_KEPT, GradStats
+    from earlywarn.detect.detector import Detector
+
+    torch.manual_seed(0)
+    model = _Experts()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    general, plans, idle_sets = [], [], set()
+    step, make = Detector._general, GradStats._make_plan
+    monkeypatch.setattr(Detector, "_general", lambda self, *a: (general.append(ew.step), step(self, *a))[1])
+    monkeypatch.setattr(GradStats, "_make_plan", lambda self, *a: (plans.append(a[0]), make(self, *a))[1])
+    g = torch.Generator().manual_seed(0)
+    for i in range(300):
+        x = torch.randn(6, 8, generator=g)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        idle_sets.add(tuple(p.grad is None for p in model.parameters()))
+        ew.report_loss(loss)
+        opt.step()
+    ew.close()
+    assert 10 < len(idle_sets) <= PLANS_KEPT  # the experts really went idle in turn
+    assert sum(s > 200 for s in general) < 10, general  # the calm path, once every expert had matured
+    assert len(plans) == len(idle_sets)  # a set met again reuses its plan
+    assert not ew.events  # a healthy run: nothing to say

@@ -155,11 +155,12 @@ class _Plan:
         return out
 
 
-PLANS_KEPT = 16
+PLANS_KEPT = 64
 """Plans kept, by the set of parameters that had a gradient. A model whose set changes from step
 to step (a mixture of experts: an expert no token was routed to gets none) plans only a set it
 has not met lately, and such a plan reads a gradient's layout and shape only: its device and
-dtype are its parameter's, kept from the first plan that met it (:meth:`GradStats._route`)."""
+dtype are its parameter's, kept from the first plan that met it (:meth:`GradStats._route`). A plan
+holds a few lists and one index tensor of the parameters' count: 64 of them are little memory."""
 
 
 class GradStats:
