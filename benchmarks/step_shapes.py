@@ -92,17 +92,21 @@ class TinyLM(nn.Module):
         return self.head(self.encoder(self.emb(x), mask=mask, is_causal=True))
 
 
-def make_tinylm(seed: int = 0) -> Shape:
-    torch.manual_seed(seed)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+def _next_token(model: nn.Module, lr: float, shape: tuple[int, int], batches: int) -> Shape:
+    """AdamW on next-token prediction over 256 symbols, ``batches`` fixed batches of ``shape``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 256, (4, 65), generator=g) for _ in range(16)]
+    data = [torch.randint(0, 256, shape, generator=g) for _ in range(batches)]
 
     def loss_of(i: int) -> torch.Tensor:
-        x = data[i % 16]
+        x = data[i % batches]
         return F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
     return model, opt, loss_of
+
+
+def make_tinylm(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    return _next_token(TinyLM(), 3e-4, (4, 65), 16)
 
 
 class _Block(nn.Module):
@@ -159,15 +163,7 @@ class MoE(nn.Module):
 
 def make_moe(seed: int = 0) -> Shape:
     torch.manual_seed(seed)
-    model = MoE()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 256, (1, 9), generator=g) for _ in range(64)]
-
-    def loss_of(i: int) -> torch.Tensor:
-        x = data[i % 64]
-        return F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
-    return model, opt, loss_of
+    return _next_token(MoE(), 1e-3, (1, 9), 64)
 
 
 SHAPES: dict[str, Callable[[int], Shape]] = {
