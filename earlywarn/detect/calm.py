@@ -1,6 +1,7 @@
 """The calm path: a calm step of a mature run as a fixed sequence of in-place numpy calls.
 
-A step is calm when it gives the same signals as the step before, every value finite (and > 0),
+A step is calm when it gives the same signals as the step before (layers reporting 0 aside: the
+live step takes another set of them, see :func:`calm_frozen_layers`), every value finite (and > 0),
 no channel elevated and no rule about to fire. :func:`calm_rows` takes such steps one row of
 log-values each (the live step one row, the offline replay a chunk of rows) and stops at the
 first row that is not calm, leaving it to the general path (:mod:`earlywarn.detect.general`),
