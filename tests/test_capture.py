@@ -152,6 +152,23 @@ def test_sets_of_parameters_with_a_gradient_seen_lately_are_not_planned_again(mo
     assert len(made) == 3  # one plan per set of experts, made the first time it was met
 
 
+def test_a_gradient_that_turns_sparse_and_back_is_normed_as_it_is():
+    # the same parameters have a gradient, but one changed layout: planned again, not a crash
+    emb, lin = nn.Embedding(10, 4), nn.Linear(4, 4)
+    model = nn.ModuleDict({"emb": emb, "lin": lin})
+    lm = build_layer_map(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    stats = GradStats(lm)
+    for p in lm.params:
+        p.grad = torch.ones_like(p)
+    for grad in (torch.sparse_coo_tensor([[1, 3]], torch.full((2, 4), 2.0), (10, 4)), torch.ones(10, 4)):
+        stats.layer_sq_norms()
+        emb.weight.grad = grad
+        np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
+    emb.weight.grad = emb.weight.grad.to_sparse()
+    lin.weight.grad[0, 0] = math.nan
+    assert stats.layer_nonfinite_counts()[lm.layer_names.index("lin")].item() == 1
+
+
 def test_sparse_and_complex_gradients_are_measured_and_counted():
     emb = nn.Embedding(10, 4, sparse=True)
     lin = nn.Linear(4, 4).to(torch.complex64)

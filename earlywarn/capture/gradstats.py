@@ -30,7 +30,7 @@ import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -315,17 +315,7 @@ class GradStats:
         per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
         as_present = self.last_shared = per_tensor is not None
         if per_tensor is None:
-            parts = []
-            plan = self._plan
-            for grp in plan.groups:
-                grads = dgrads if plan.simple else [_local(dgrads[m]) for m in grp.members]
-                acc = _acc_dtype(grp.device, grp.dtype, exact)
-                if grp.plan is None:  # sparse
-                    norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
-                else:
-                    norms = grp.plan.norms(grads, acc)
-                parts.append(to_device(norms, self._device, dtype))
-            per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+            dgrads, per_tensor = self._planned(lambda gs: self._norms(gs, exact, dtype), dgrads)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
@@ -333,6 +323,37 @@ class GradStats:
         if weight is not None:
             sq = sq * weight
         return self._per_layer(sq, as_present=as_present)
+
+    def _norms(self, dgrads: Any, exact: bool, dtype: torch.dtype) -> torch.Tensor:
+        """Per-tensor norms of the planned gradients, in the plan's order, on :attr:`device`."""
+        parts = []
+        plan = self._plan
+        for grp in plan.groups:
+            grads = dgrads if plan.simple else [_local(dgrads[m]) for m in grp.members]
+            acc = _acc_dtype(grp.device, grp.dtype, exact)
+            if grp.plan is None:  # sparse
+                norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
+            else:
+                norms = grp.plan.norms(grads, acc)
+            parts.append(to_device(norms, self._device, dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _planned(self, pass_: Callable[[Any], torch.Tensor], dgrads: Any) -> tuple[Any, torch.Tensor]:
+        """``pass_(dgrads)`` through the current plan, planned again once if it failed because a
+        gradient changed layout since its plan was made -- turned sparse, or dense again, while
+        the same parameters had one. Plans are made per set of parameters, not per layout:
+        checking the layouts every step would cost a read per gradient for what almost no run
+        does, so it is checked after a failure only. Returns the gradients read and the result."""
+        try:
+            return dgrads, pass_(dgrads)
+        except RuntimeError:
+            plan = self._plan
+            if not any(_local(dgrads[m]).is_sparse is not grp.sparse for grp in plan.groups for m in grp.members):
+                raise
+            self._plans.clear()
+            self._plan = None
+            dgrads = self._grads()
+            return dgrads, pass_(dgrads)
 
     def layer_nonfinite_counts(self) -> torch.Tensor:
         """Count of non-finite gradient elements per layer (a second pass: only on a bad step).
@@ -342,15 +363,18 @@ class GradStats:
         dtype = stat_dtype(self._device)
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
-        parts = []
-        for grp in self._plan.groups:
-            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
-            grads = [_local(dgrads[grp.members[j]]) for j in order]  # the norms' order (see _order)
-            values = [g.coalesce()._values() if grp.sparse else g for g in grads]
-            counts = torch.stack([torch.isfinite(v).logical_not_().sum() for v in values])
-            parts.append(to_device(counts, self._device, dtype))
-        counts = parts[0] if len(parts) == 1 else torch.cat(parts)
+        dgrads, counts = self._planned(lambda gs: self._counts(gs, dtype), dgrads)
         weight = self._weight(dgrads, dtype)
         if weight is not None:
             counts = counts * weight
         return self._per_layer(counts)
+
+    def _counts(self, dgrads: Any, dtype: torch.dtype) -> torch.Tensor:
+        parts = []
+        for grp in self._plan.groups:
+            order = grp.plan.order if grp.plan is not None else range(len(grp.members))
+            grads = [_local(dgrads[grp.members[j]]) for j in order]  # the norms' order (see _Plan.order)
+            values = [g.coalesce()._values() if grp.sparse else g for g in grads]
+            counts = torch.stack([torch.isfinite(v).logical_not_().sum() for v in values])
+            parts.append(to_device(counts, self._device, dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
