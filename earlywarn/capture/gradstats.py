@@ -125,14 +125,12 @@ class _Group:
 
 
 class _Plan:
-    """How the gradients of one set of parameters (those that have one: ``key``) are read."""
+    """How the gradients of one set of parameters (``present``, of ``n`` watched) are read."""
 
-    __slots__ = ("key", "nones", "present", "pick", "groups", "simple", "shareable", "index", "index_present",
-                 "weights")
+    __slots__ = ("nones", "present", "pick", "groups", "simple", "shareable", "index", "index_present", "weights")
 
-    def __init__(self, key: tuple[bool, ...], present: list[int], groups: list[_Group], sharded: bool) -> None:
-        self.key = key
-        self.nones = len(key) - len(present)  # parameters without a gradient
+    def __init__(self, n: int, present: list[int], groups: list[_Group], sharded: bool) -> None:
+        self.nones = n - len(present)  # parameters without a gradient
         self.present = present
         # the gradients of `present`, in C (operator.itemgetter)
         self.pick: Any = operator.itemgetter(*present) if len(present) > 1 else (
@@ -235,7 +233,7 @@ class GradStats:
         for grp in groups.values():
             if not grp.sparse:
                 grp.plan = NormPlan([_local(grads[present[m]]) for m in grp.members])  # type: ignore[arg-type]
-        return _Plan(key, present, list(groups.values()), self.sharded)
+        return _Plan(len(key), present, list(groups.values()), self.sharded)
 
     def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
         if not self.sharded:
