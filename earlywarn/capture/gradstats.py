@@ -154,11 +154,10 @@ class _Plan:
 
 
 PLANS_KEPT = 64
-"""Plans kept, by the set of parameters that had a gradient. A model whose set changes from step
+"""Plans kept, by the set of parameters that had a gradient: a model whose set changes from step
 to step (a mixture of experts: an expert no token was routed to gets none) plans only a set it
-has not met lately, and such a plan reads a gradient's layout and shape only: its device and
-dtype are its parameter's, kept from the first plan that met it (:meth:`GradStats._route`). A plan
-holds a few lists and one index tensor of the parameters' count: 64 of them are little memory."""
+has not met lately. A plan holds a few lists and one index tensor of the parameters' count: 64 of
+them are little memory."""
 
 
 class GradStats:
@@ -172,7 +171,6 @@ class GradStats:
         self.exact = exact
         self._plan: _Plan | None = None  # the plan of the last step's set of parameters with a gradient
         self._plans: OrderedDict[tuple[bool, ...], _Plan] = OrderedDict()  # recent ones, newest last
-        self._routes: list[tuple | None] = [None] * len(layer_map.params)  # per parameter: its gradient's group
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
@@ -209,27 +207,14 @@ class GradStats:
         self._plan = plan
         return grads if not plan.nones else plan.pick(grads)
 
-    def _route(self, i: int, g: torch.Tensor) -> tuple:
-        """(device, dtype, sparse) of parameter ``i``'s gradient ``g`` (its local shard): fixed
-        for a parameter (autograd and the ``.grad`` setter keep a gradient's dtype, device and
-        shape those of its parameter), so read once per parameter; the layout is checked again
-        at every plan."""
-        route = self._routes[i]
-        if route is None or route[2] is not g.is_sparse:
-            lg = _local(g)
-            route = self._routes[i] = (lg.device, lg.dtype, lg.is_sparse)
-        return route
-
     def _make_plan(self, key: tuple[bool, ...], grads: list[torch.Tensor | None]) -> _Plan:
         # Parameters without a gradient this step (unused branches) drop out.
         present = [i for i, has in enumerate(key) if has]
         groups: dict[tuple, _Group] = {}
         for pos, i in enumerate(present):
-            k = self._route(i, grads[i])  # type: ignore[arg-type]
-            grp = groups.get(k)
-            if grp is None:
-                grp = groups[k] = _Group(k[0], k[1], k[2], [])
-            grp.members.append(pos)
+            g = _local(grads[i])  # type: ignore[arg-type]
+            k = (g.device, g.dtype, g.is_sparse)
+            groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
         for grp in groups.values():
             if not grp.sparse:
                 grp.plan = NormPlan([_local(grads[present[m]]) for m in grp.members])  # type: ignore[arg-type]

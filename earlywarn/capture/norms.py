@@ -5,8 +5,8 @@ over the tensors in C++ and pays a full dispatch per tensor (~1-2 us): for the h
 tensors of a real model (biases, norm weights, adapters) that costs more than the arithmetic.
 There, tensors of up to :data:`SMALL` elements that share a shape (at least :data:`STACK_MIN` of
 them) are stacked (one copy of a few KB each) and reduced row by row in one call -- the same
-values, bit for bit -- and only the others go through ``_foreach_norm``. The plan (which tensor goes where) depends on the shapes
-only, so it is made once per set of tensors and reused every step.
+values, bit for bit -- and only the others go through ``_foreach_norm``. The plan (which tensor
+goes where) depends on the shapes only, so it is made once per set of tensors and reused every step.
 """
 
 from __future__ import annotations
