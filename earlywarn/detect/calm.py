@@ -56,10 +56,9 @@ def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int) -> bool:
     _greater(ln, 0.0, lm)
     if cnz(lm) != nz:
         return False
-    moved = w.layer_moved
+    moved = young = w.layers_scratch  # (the second use once the first is read)
     _not_equal(lm, w.layer_present, moved)
     if nz != w.n_present or cnz(moved):
-        young = w.layer_young
         _less(w.count[N_FIXED:w.layers_end], t.mature_n, young)
         _logical_and(young, lm, young)
         if cnz(young):

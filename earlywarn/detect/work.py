@@ -44,9 +44,9 @@ class Work:
         # the per-channel thresholds, scratch (incr: the EMA increments)
         "rates", "keep", "h_alone", "h_together", "consts", "incr", "incr_mu", "incr_width", "ok", "layers_ok",
         "z_scratch",
-        # layers present under the pattern (a layer reporting 0 is absent) and how many; scratch
-        # masks of the calm path's test of another set of them
-        "layer_present", "n_present", "layer_moved", "layer_young",
+        # layers present under the pattern (a layer reporting 0 is absent) and how many; a scratch
+        # mask for the calm path's test of another set of them
+        "layer_present", "n_present", "layers_scratch",
         # dev holds NaN (absent / not warm channels, set by the general path); dev was computed
         "dev_nan", "has_dev",
         # the lr ring (DetectorState.lr_ring, as a list)
@@ -80,8 +80,7 @@ class Work:
         self.ok = np.zeros(n, dtype=bool)
         self.layer_present = np.ones(self.n_layers, dtype=bool)
         self.layers_ok = np.zeros(self.n_layers, dtype=bool)
-        self.layer_moved = np.zeros(self.n_layers, dtype=bool)
-        self.layer_young = np.zeros(self.n_layers, dtype=bool)
+        self.layers_scratch = np.zeros(self.n_layers, dtype=bool)
         self.n_present = self.n_layers
         self.z_scratch = np.zeros(n)
         self.dev_nan = False
