@@ -371,28 +371,35 @@ class _Run:
 _FIGURES = ("wall", "cpu", "step", "guard", "clip")
 
 
-def _measure(shape: str, rounds: int, block: int, warm: int, out_dir: str) -> dict[str, dict[str, list[float]]]:
-    """The variants step in turn, one step each, the order reversed every other turn (ABBA), so
-    that they share the machine's every moment; a round is ``block`` turns. Per round and
-    variant, the mean of each figure of :meth:`_Run.step`, and of one clip after each step."""
-    runs = {v: _Run(shape, v, out_dir) for v in VARIANTS}
+def _interleave(runs: dict[str, _Run], rounds: int, block: int, warm: int, *,
+                clip: bool = False) -> dict[str, dict[str, list[float]]]:
+    """The runs step in turn, one step each, the order reversed every other turn (ABBA), so that
+    they share the machine's every moment; a round is ``block`` turns. Per round and run, the
+    mean of each figure of :meth:`_Run.step` and (``clip``) of one clip after each step. Closes
+    the runs."""
+    order = list(runs)
     for run in runs.values():  # warm-up: detector baselines, optimizer state, the first snapshots
         for _ in range(warm):
             run.step()
-    rec = {v: {f: [] for f in _FIGURES} for v in VARIANTS}
+    rec = {k: {f: [] for f in _FIGURES} for k in order}
     for r in range(rounds):
-        sums = {v: [0.0] * len(_FIGURES) for v in VARIANTS}
+        sums = {k: [0.0] * len(_FIGURES) for k in order}
         for turn in range(block):
-            for v in (VARIANTS if turn % 2 == 0 else VARIANTS[::-1]):
-                acc = sums[v]
-                for k, t in enumerate((*runs[v].step(), runs[v].clip_time() if shape == "small" else 0.0)):
-                    acc[k] += t
-        for v in VARIANTS:
-            for k, f in enumerate(_FIGURES):
-                rec[v][f].append(sums[v][k] / block)
+            for k in (order if turn % 2 == 0 else order[::-1]):
+                acc = sums[k]
+                for j, t in enumerate((*runs[k].step(), runs[k].clip_time() if clip else 0.0)):
+                    acc[j] += t
+        for k in order:
+            for j, f in enumerate(_FIGURES):
+                rec[k][f].append(sums[k][j] / block)
     for run in runs.values():
         run.close()
     return rec
+
+
+def _measure(shape: str, rounds: int, block: int, warm: int, out_dir: str) -> dict[str, dict[str, list[float]]]:
+    """The table's variants of ``shape``, interleaved (:func:`_interleave`); ``small`` with a clip."""
+    return _interleave({v: _Run(shape, v, out_dir) for v in VARIANTS}, rounds, block, warm, clip=shape == "small")
 
 
 def _paired(xs: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -486,32 +493,13 @@ def against() -> None:
     print(f"| shape | bare step | {args.against} | working tree | difference, paired (median, rounds min..max) |")
     print("|---|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):
-        runs = {"bare": _Run(shape, "bare", out_dir), "old": _Run(shape, "defaults", out_dir, package=older),
-                "new": _Run(shape, "defaults", out_dir)}
-        order = list(runs)
-        for run in runs.values():
-            for _ in range(args.warm):
-                run.step()
-        guard = {k: [] for k in runs}
-        cpu = []
-        for r in range(args.rounds):
-            sums = dict.fromkeys(runs, 0.0)
-            bare_cpu = 0.0
-            for turn in range(args.block):
-                for k in (order if turn % 2 == 0 else order[::-1]):
-                    _, c, _, g = runs[k].step()
-                    sums[k] += g
-                    if k == "bare":
-                        bare_cpu += c
-            for k in runs:
-                guard[k].append(sums[k] / args.block)
-            cpu.append(bare_cpu / args.block)
-        diff = [n - o for n, o in zip(guard["new"], guard["old"])]
-        print(f"| {shape} | {statistics.median(cpu) * 1e3:.2f} ms | {statistics.median(guard['old']) * 1e6:.0f} us | "
-              f"{statistics.median(guard['new']) * 1e6:.0f} us | {statistics.median(diff) * 1e6:+.0f} us "
+        rec = _interleave({"bare": _Run(shape, "bare", out_dir), "old": _Run(shape, "defaults", out_dir, package=older),
+                           "new": _Run(shape, "defaults", out_dir)}, args.rounds, args.block, args.warm)
+        old, new = rec["old"]["guard"], rec["new"]["guard"]
+        diff = [n - o for n, o in zip(new, old)]
+        print(f"| {shape} | {statistics.median(rec['bare']['cpu']) * 1e3:.2f} ms | {statistics.median(old) * 1e6:.0f} us | "
+              f"{statistics.median(new) * 1e6:.0f} us | {statistics.median(diff) * 1e6:+.0f} us "
               f"({min(diff) * 1e6:+.0f}..{max(diff) * 1e6:+.0f}) |", flush=True)
-        for run in runs.values():
-            run.close()
 
 
 # -- a profile of one step's host work -----------------------------------------------------------------
