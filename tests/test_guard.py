@@ -428,3 +428,45 @@ def test_a_mixture_of_experts_with_idle_experts_changing_stays_calm_and_planned(
     assert sum(s > 200 for s in general) < 10, general  # the calm path, once every expert had matured
     assert len(plans) == len(idle_sets)  # a set met again reuses its plan
     assert not ew.events  # a healthy run: nothing to say
+
+
+def test_isolated_spikes_that_came_back_keep_the_periodic_snapshot_cadence(monkeypatch):
+    # A noisy healthy run: one batch in 40 gives a 3x gradient for one step. Each is reported as
+    # an isolated spike once over; only the spike's own steps (elevated) take the faster cadence,
+    # not the clean window after it (which costs a snapshot every 5 steps for nothing).
+    from earlywarn.guard.episode import Episode
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    building, ask = [], Episode.building
+    monkeypatch.setattr(Episode, "building", lambda self, step: (building.append(ask(self, step)), building[-1])[1])
+    data = batches(400)
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x) - y).square().mean() * (3.0 if i % 40 == 39 and i > 100 else 1.0)
+        loss.backward()
+        ew.report_loss(loss)
+        opt.step()
+    ew.close()
+    spikes = [e for e in ew.events if e.kind == Kind.GRAD_SPIKE]
+    assert len(spikes) >= 4 and all(e.level == earlywarn.Level.INFO for e in spikes)
+    assert not [e for e in ew.events if e.level >= earlywarn.Level.WARNING]
+    # building: the spike steps themselves (a step or two each), never the 20-step window after
+    assert sum(building) <= 3 * len(spikes), (sum(building), len(spikes))
+
+
+def test_an_episode_builds_after_a_warning_or_while_elevated_not_after_an_isolated_spike():
+    from earlywarn.events import Event, Level
+    from earlywarn.guard.episode import Episode
+
+    ep = Episode(20)
+    spike = Event(step=10, kind=Kind.GRAD_SPIKE, level=Level.INFO, message="isolated spike, over")
+    assert not ep.after(10, [spike], elevated=False).building(15)
+    assert ep.after(10, [spike], elevated=True).building(10)  # still elevated: it may grow
+    outlier = Event(step=10, kind=Kind.GRAD_OUTLIER, level=Level.WARNING, message="outlier")
+    after = ep.after(10, [outlier], elevated=False)
+    assert after.building(29) and not after.building(31) and not after.clean(25)
+    overflow = Event(step=10, kind=Kind.SCALER_OVERFLOW, level=Level.INFO, message="scale collapsing")
+    assert ep.after(10, [overflow], elevated=False).building(25)  # other info alerts still count

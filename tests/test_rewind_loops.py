@@ -251,7 +251,7 @@ def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
     ew.close()
 
 
-def test_info_spikes_do_not_make_snapshots_unclean_and_snapshots_come_faster_after_them(tmp_path):
+def test_info_spikes_do_not_make_snapshots_unclean_nor_faster_once_over(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -272,7 +272,8 @@ def test_info_spikes_do_not_make_snapshots_unclean_and_snapshots_come_faster_aft
     assert [e.kind for e in ew.events if e.level >= Level.INFO and e.kind is not Kind.CHECKPOINT] == [Kind.GRAD_SPIKE]
     assert all(clean for _, clean in taken)
     steps = sorted(s for s, _ in taken)
-    assert steps == [0, 25, 50, 60, 65, 70, 75, 80, 105, 130]  # every 5 steps for clean_window after it
+    # the spike's own step is elevated (a copy then); once reported as over, the cadence is periodic
+    assert steps == [0, 25, 50, 60, 85, 110, 135]
     ew.close()
 
 

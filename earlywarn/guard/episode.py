@@ -26,7 +26,8 @@ class Episode:
 
     window: int
     alert: int | None = None
-    """The latest alert of any level (after a rewind, through the steps that come again: theirs is below it)."""
+    """The latest alert that may announce more (any level but an isolated spike, reported once it
+    is over); after a rewind, through the steps that come again: theirs is below it."""
     unclean: int | None = None
     """The latest warning-or-worse alert: no snapshot is clean for ``window`` steps after it."""
     incident: int | None = None
@@ -41,7 +42,9 @@ class Episode:
         """The episode once ``step`` was judged with ``alerts``."""
         ep = self
         if alerts:
-            ep = replace(ep, alert=step)
+            # an isolated spike is reported on the step it ended: nothing builds, the cadence stays
+            if any(a.kind is not Kind.GRAD_SPIKE for a in alerts):
+                ep = replace(ep, alert=step)
             if any(a.level >= Level.WARNING for a in alerts):
                 ep = replace(ep, unclean=step)
             serious = [a for a in alerts if a.level >= Level.WARNING and a.kind not in _SKIPPED_KINDS]
@@ -62,8 +65,9 @@ class Episode:
         return not _within(self.unclean, step, self.window)
 
     def building(self, step: int) -> bool:
-        """An episode may be building at ``step``: an alert of any level within the window, or a
-        gradient elevated at the latest step judged (async mode: a step or two back)."""
+        """An episode may be building at ``step``: an alert within the window (but an isolated
+        spike's, which is over), or a gradient elevated at the latest step judged (async mode: a
+        step or two back)."""
         return _within(self.alert, step, self.window) or self.elevated
 
 

@@ -32,8 +32,9 @@ class RecoveryConfig:
     """Steps between in-memory snapshots (host RAM; the first is taken at the first step).
     ``None``: ``max_lost_steps // 2``. 0 disables them; rewinds then need disk checkpoints."""
     snapshot_every_building: int | None = None
-    """Steps between snapshots while an episode builds (an alert within ``clean_window`` steps,
-    or a gradient signal elevated now). ``None``: ``snapshot_every // 5`` (at least 1)."""
+    """Steps between snapshots while an episode builds (an alert within ``clean_window`` steps --
+    not an isolated spike, reported once over -- or a gradient signal elevated now). ``None``:
+    ``snapshot_every // 5`` (at least 1)."""
     snapshot_keep: int = 3
     """Clean in-memory snapshots kept at most (one more slot holds the last warning's unclean
     copy); ``snapshot_memory`` may allow fewer."""
