@@ -406,6 +406,27 @@ def test_calm_noise_raises_nothing_and_scores_stay_low():
     assert sd.score < 4.0
 
 
+def test_the_run_score_reads_the_runs_own_signals_not_one_of_many_layers():
+    # 300 layers: one of them 4x its norm is a spike in the score (the metric) but not in the
+    # run's own signals; the whole gradient 4x is both. The guard snapshots faster on the latter.
+    names = [f"h.{i}" for i in range(300)]
+    lay, g, loss = _calm_run(400, seed=5, layers=300)
+    sd = StreamingDetector(layer_names=names)
+    for i in range(400):
+        sd.observe(_obs(i, g[i], loss[i], lay[i]))
+    assert sd.run_score <= sd.score < 4.0
+    one = lay[-1].copy()
+    one[7] *= 4.0
+    sd.observe(_obs(400, np.sqrt((one ** 2).sum()), loss[-1], one))
+    spike_z = sd.detector.cfg.spike_z
+    assert sd.score >= spike_z > sd.run_score
+    every = lay[-1] * 4.0
+    sd.observe(_obs(401, np.sqrt((every ** 2).sum()), loss[-1], every))
+    assert sd.run_score >= spike_z
+    sd.observe(_obs(402, float("nan"), float("nan"), np.full(300, np.nan)))
+    assert sd.run_score == sd.score == 1000.0
+
+
 def test_lr_warmup_that_lowers_the_norm_does_not_alarm():
     # the norm falls 30x over 600 steps (as in llm.c's first steps), noisy
     rng = np.random.default_rng(4)

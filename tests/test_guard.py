@@ -470,3 +470,40 @@ def test_an_episode_builds_after_a_warning_or_while_elevated_not_after_an_isolat
     assert after.building(29) and not after.building(31) and not after.clean(25)
     overflow = Event(step=10, kind=Kind.SCALER_OVERFLOW, level=Level.INFO, message="scale collapsing")
     assert ep.after(10, [overflow], elevated=False).building(25)  # other info alerts still count
+
+
+class _Wide(nn.Module):
+    # 200 small layers side by side, each fed its own heavy-tailed inputs: per-layer norms are noisy
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(nn.Linear(4, 1, bias=False) for _ in range(200))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, 200, 4)
+        return (x * torch.stack([p.weight[0] for p in self.parts])).sum(-1)
+
+
+def test_a_model_of_many_noisy_layers_keeps_the_periodic_snapshot_cadence(monkeypatch):
+    # Among 200 layers one is above spike_z by chance at many a calm step: the snapshot cadence
+    # follows the run's own signals (its gradient norm, its loss), so it stays at every 25 steps.
+    from earlywarn.guard.episode import Episode
+
+    torch.manual_seed(0)
+    model = _Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    building, elevated_layer, ask = [], [], Episode.building
+    monkeypatch.setattr(Episode, "building", lambda self, step: (building.append(ask(self, step)), building[-1])[1])
+    g = torch.Generator().manual_seed(0)
+    for i in range(400):
+        x = torch.randn(4, 200, 4, generator=g) ** 3
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        ew.report_loss(loss)
+        opt.step()
+        if i >= 100:
+            elevated_layer.append(ew.detector.score >= ew.detector.cfg.spike_z)
+    ew.close()
+    assert sum(elevated_layer) >= 15  # the multiple comparisons are real: some layer is often up
+    assert sum(building[100:]) <= 5, sum(building[100:])
+    assert not [e for e in ew.events if e.level >= earlywarn.Level.WARNING]

@@ -347,6 +347,24 @@ class StreamingDetector:
         m *= self._A
         return m if m > 0.0 else 0.0
 
+    @property
+    def run_score(self) -> float:
+        """:attr:`score` over the run's own signals -- gradient norm, loss, update and parameter
+        norms, the loop's reported ones -- not its layers': among hundreds of layers one is above
+        ``spike_z`` by chance at many a calm step, and that is no episode building."""
+        w = self._w
+        if w.score_cap:
+            return SCORE_CAP
+        if not w.has_dev or not w.n:
+            return 0.0
+        t = w.z_scratch
+        _divide(w.dev, w.width, t)
+        m = float(np.fmax.reduce(t[:N_FIXED]))  # NaN (absent) ignored
+        if w.n > w.layers_end:
+            m = max(m, float(np.fmax.reduce(t[w.layers_end:])))
+        m *= self._A
+        return m if m > 0.0 else 0.0
+
     def ratios(self) -> tuple[float, float]:
         """The latest step's global gradient norm and loss over their typical values (NaN where a
         signal was absent or has no baseline yet): what the guard's response reads besides the

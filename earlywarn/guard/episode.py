@@ -36,7 +36,8 @@ class Episode:
     onset: int | None = None
     """The first abnormal step of the incident in progress."""
     elevated: bool = False
-    """A gradient signal was elevated at the latest step judged (a spike, maybe the start of one)."""
+    """One of the run's own signals (gradient norm, update, loss) was elevated at the latest step
+    judged: a spike, maybe the start of one."""
 
     def after(self, step: int, alerts: Sequence[Event], *, elevated: bool) -> "Episode":
         """The episode once ``step`` was judged with ``alerts``."""
@@ -66,7 +67,7 @@ class Episode:
 
     def building(self, step: int) -> bool:
         """An episode may be building at ``step``: an alert within the window (but an isolated
-        spike's, which is over), or a gradient elevated at the latest step judged (async mode: a
+        spike's, which is over), or a run signal elevated at the latest step judged (async mode: a
         step or two back)."""
         return _within(self.alert, step, self.window) or self.elevated
 

@@ -428,11 +428,12 @@ class Watcher:
             self.responses.skipped(decision, tag)
         if decision.nonfinite:
             self.telemetry.count("nonfinite_steps")
-        score = self.detector.score  # computed on demand: once per step, for both uses
-        ep = self.episode = self.episode.after(tag.step, decision.alerts, elevated=score >= self.detector.cfg.spike_z)
+        # an episode builds on the run's own signals: one of hundreds of layers is elevated by chance
+        elevated = self.detector.run_score >= self.detector.cfg.spike_z
+        ep = self.episode = self.episode.after(tag.step, decision.alerts, elevated=elevated)
         self.counters["steps"] = self.step
         self.recovery.after_step(tag.step, clean=ep.clean(tag.step) and not decision.skip, building=ep.building(tag.step))
-        self.telemetry.log_metrics(tag.run_step, decision.obs, score)  # after recovery: its checkpoint or repair counts
+        self.telemetry.log_metrics(tag.run_step, decision.obs, self.detector.score)  # after recovery: its checkpoint or repair counts
 
     def _restore(self, decision: Decision, tag: StepTag) -> None:
         """The step ends in a repair (poisoned optimizer state, parameters finite: progress kept)

@@ -33,8 +33,9 @@ class RecoveryConfig:
     ``None``: ``max_lost_steps // 2``. 0 disables them; rewinds then need disk checkpoints."""
     snapshot_every_building: int | None = None
     """Steps between snapshots while an episode builds (an alert within ``clean_window`` steps --
-    not an isolated spike, reported once over -- or a gradient signal elevated now). ``None``:
-    ``snapshot_every // 5`` (at least 1)."""
+    not an isolated spike, reported once over -- or one of the run's own signals elevated now:
+    gradient norm, update, loss, not a single layer's). ``None``: ``snapshot_every // 5`` (at
+    least 1)."""
     snapshot_keep: int = 3
     """Clean in-memory snapshots kept at most (one more slot holds the last warning's unclean
     copy); ``snapshot_memory`` may allow fewer."""
