@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import earlywarn
+from earlywarn.capture import gradstats
 from earlywarn.capture.gradstats import GradStats, gather_device
 from earlywarn.capture.grouping import build_layer_map
 from earlywarn.capture.hostread import HOST_WAITS, LateReader
@@ -141,15 +142,20 @@ def test_sets_of_parameters_with_a_gradient_seen_lately_are_not_planned_again(mo
     made = []
     make = GradStats._make_plan
     monkeypatch.setattr(GradStats, "_make_plan", lambda self, *a: (self is stats and made.append(a[0])) or make(self, *a))
+    read, ours = [], 0
+    monkeypatch.setattr(gradstats, "_layout", lambda g, _f=gradstats._layout: (read.append(g), _f(g))[1])
     routed = [(0, 1), (2,), (0, 1), (1, 2, 3), (2,), (0, 1), (1, 2, 3)]
     for used in routed:
         for e, ex in enumerate(experts):
             for p in ex.parameters():
                 p.grad = torch.randn_like(p) if e in used else None
+        before = len(read)
         np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
+        ours += len(read) - before
         fresh = GradStats(lm).layer_sq_norms()  # planned from scratch: the same bits
         assert torch.equal(stats.layer_sq_norms(), fresh)
     assert len(made) == 3  # one plan per set of experts, made the first time it was met
+    assert ours == 4 * 2  # ... from each expert's gradients as first read: a new set reads only what is new
 
 
 def test_a_gradient_that_turns_sparse_and_back_is_normed_as_it_is():
@@ -167,6 +173,26 @@ def test_a_gradient_that_turns_sparse_and_back_is_normed_as_it_is():
     emb.weight.grad = emb.weight.grad.to_sparse()
     lin.weight.grad[0, 0] = math.nan
     assert stats.layer_nonfinite_counts()[lm.layer_names.index("lin")].item() == 1
+
+
+def test_a_gradient_resized_or_recast_since_first_read_is_normed_as_it_is():
+    # ten biases of one shape are stacked in one call (capture/norms.py): one of them resized
+    # breaks the stack, one recast changes the group; both are planned again, not a crash
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(10)])
+    lm = build_layer_map(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    stats = GradStats(lm)
+    for p in lm.params:
+        p.grad = torch.ones_like(p)
+    stats.layer_sq_norms()
+    model[4].bias.data = torch.zeros(5)
+    model[4].bias.grad = torch.full((5,), 2.0)
+    np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
+    model[6].bias.grad = None  # a set not met before, planned from what was read
+    model[7].weight.data = model[7].weight.data.double()
+    model[7].weight.grad = torch.full((3, 3), 3.0, dtype=torch.float64)
+    np.testing.assert_allclose(stats.layer_sq_norms().numpy(), reference_sq(lm, lm.params), rtol=1e-6)
+    with pytest.raises(RuntimeError):  # an error that planning again does not mend is raised
+        stats._planned(lambda gs: torch.ones(2) + torch.ones(3), stats._grads())
 
 
 def test_sparse_and_complex_gradients_are_measured_and_counted():

@@ -111,6 +111,12 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
     return torch.float32
 
 
+def _layout(grad: torch.Tensor) -> tuple:
+    """What a plan needs of a gradient: device, dtype, sparse, strided, local shape."""
+    g = _local(grad)
+    return g.device, g.dtype, g.is_sparse, g.layout == torch.strided, g.shape
+
+
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 
@@ -171,6 +177,10 @@ class GradStats:
         self.exact = exact
         self._plan: _Plan | None = None  # the plan of the last step's set of parameters with a gradient
         self._plans: OrderedDict[tuple[bool, ...], _Plan] = OrderedDict()  # recent ones, newest last
+        # each parameter's gradient as first read (``_layout``): a set of parameters not planned
+        # lately (a mixture of experts: every step) is planned from these, not from ~1 us of reads
+        # per gradient; what a pass finds changed is read anew (``_planned``)
+        self._layouts: list[tuple | None] = [None] * len(layer_map.params)
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
@@ -210,14 +220,21 @@ class GradStats:
     def _make_plan(self, key: tuple[bool, ...], grads: list[torch.Tensor | None]) -> _Plan:
         # Parameters without a gradient this step (unused branches) drop out.
         present = [i for i, has in enumerate(key) if has]
+        layouts = self._layouts
         groups: dict[tuple, _Group] = {}
         for pos, i in enumerate(present):
-            g = _local(grads[i])  # type: ignore[arg-type]
-            k = (g.device, g.dtype, g.is_sparse)
-            groups.setdefault(k, _Group(g.device, g.dtype, g.is_sparse, [])).members.append(pos)
+            lay = layouts[i]
+            if lay is None:
+                lay = layouts[i] = _layout(grads[i])  # type: ignore[arg-type]
+            grp = groups.get(lay[:3])
+            if grp is None:
+                grp = groups[lay[:3]] = _Group(lay[0], lay[1], lay[2], [])
+            grp.members.append(pos)
         for grp in groups.values():
             if not grp.sparse:
-                grp.plan = NormPlan([_local(grads[present[m]]) for m in grp.members])  # type: ignore[arg-type]
+                lays = [layouts[present[m]] for m in grp.members]
+                stackable = grp.device.type == "cpu" and grp.dtype.is_floating_point and lays[0][3]
+                grp.plan = NormPlan.of_shapes([lay[4] for lay in lays], stackable=stackable)  # type: ignore[index]
         return _Plan(len(key), present, list(groups.values()), self.sharded)
 
     def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
@@ -323,17 +340,18 @@ class GradStats:
 
     def _planned(self, pass_: Callable[[Any], torch.Tensor], dgrads: Any) -> tuple[Any, torch.Tensor]:
         """``pass_(dgrads)`` through the current plan, planned again once if it failed because a
-        gradient changed layout since its plan was made -- turned sparse, or dense again, while
-        the same parameters had one. Plans are made per set of parameters, not per layout:
-        checking the layouts every step would cost a read per gradient for what almost no run
-        does, so it is checked after a failure only. Returns the gradients read and the result."""
+        gradient is not what it was when first read -- turned sparse or dense again, resized,
+        another dtype. Plans are made from each gradient as first read: checking every gradient
+        every step would cost a read per gradient for what almost no run does, so it is checked
+        after a failure only. Returns the gradients read and the result."""
         try:
             return dgrads, pass_(dgrads)
         except RuntimeError:
-            plan = self._plan
-            if not any(_local(dgrads[m]).is_sparse is not grp.sparse for grp in plan.groups for m in grp.members):
+            present, layouts = self._plan.present, self._layouts
+            if all(_layout(dgrads[pos]) == layouts[i] for pos, i in enumerate(present)):
                 raise
             self._plans.clear()
+            self._layouts = [None] * len(self._layouts)
             self._plan = None
             dgrads = self._grads()
             return dgrads, pass_(dgrads)

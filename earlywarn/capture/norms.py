@@ -46,11 +46,22 @@ class NormPlan:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         first = tensors[0]
         stackable = first.device.type == "cpu" and first.is_floating_point() and first.layout == torch.strided
+        self._plan([t.shape for t in tensors] if stackable else None, len(tensors))
+
+    @classmethod
+    def of_shapes(cls, shapes: Sequence[torch.Size], *, stackable: bool) -> "NormPlan":
+        """The plan of tensors of these shapes (``stackable``: strided floating-point CPU tensors),
+        made without the tensors at hand."""
+        plan = cls.__new__(cls)
+        plan._plan(shapes if stackable else None, len(shapes))
+        return plan
+
+    def _plan(self, shapes: Sequence[torch.Size] | None, n: int) -> None:
         by_shape: dict[torch.Size, list[int]] = defaultdict(list)
         rest: list[int] = []
-        for i, t in enumerate(tensors):
-            if stackable and 0 < t.numel() <= SMALL:
-                by_shape[t.shape].append(i)
+        for i in range(n):
+            if shapes is not None and 0 < shapes[i].numel() <= SMALL:
+                by_shape[shapes[i]].append(i)
             else:
                 rest.append(i)
         stacks = []
