@@ -12,6 +12,10 @@ thread; step times are those of this project's 2-core CPU machines.
   embedding and a head, plain AdamW (~15 ms).
 - ``cnn``: a small ResNet with BatchNorm (buffers in every snapshot) on 32x32 images, SGD with
   Nesterov momentum (~15 ms).
+- ``moe``: a mixture of experts whose idle experts -- parameters without a gradient -- change from
+  step to step (top-1 routing of 8 tokens over 8 experts in each of 4 layers, ~15 ms).
+- ``moe_wide``: the same at 32 experts in each of 8 layers, 16 tokens (522 layers, 1043 tensors,
+  ~45 ms): hundreds of noisy layers. Not in the table's default shapes (``--shapes moe_wide``).
 """
 
 from __future__ import annotations
@@ -166,6 +170,11 @@ def make_moe(seed: int = 0) -> Shape:
     return _next_token(MoE(), 1e-3, (1, 9), 64)
 
 
+def make_moe_wide(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    return _next_token(MoE(d=32, experts=32, layers=8), 1e-3, (1, 17), 64)
+
+
 SHAPES: dict[str, Callable[[int], Shape]] = {
     "small": make_small, "gpt": make_gpt, "lora": make_lora, "tinylm": make_tinylm, "cnn": make_cnn,
-    "moe": make_moe}
+    "moe": make_moe, "moe_wide": make_moe_wide}
