@@ -333,25 +333,16 @@ class StreamingDetector:
         """Latest instability score: the largest robust z of any signal above its baseline
         (0 when nothing is above it; ~0-3 in calm training; >= spike_z on a spike; 1000 for a
         non-finite step). Monotone in how alarming the step is."""
-        w = self._w
-        if w.score_cap:
-            return SCORE_CAP
-        if not w.has_dev or not w.n:
-            return 0.0
-        t = w.z_scratch
-        _divide(w.dev, w.width, t)
-        if w.dev_nan:
-            m = float(np.fmax.reduce(t))  # NaN (absent) ignored
-        else:
-            m = float(t[t.argmax()])  # a calm step: no NaN, and argmax is the cheap reduction
-        m *= self._A
-        return m if m > 0.0 else 0.0
+        return self._largest_z(layers=True)
 
     @property
     def run_score(self) -> float:
         """:attr:`score` over the run's own signals -- gradient norm, loss, update and parameter
         norms, the loop's reported ones -- not its layers': among hundreds of layers one is above
         ``spike_z`` by chance at many a calm step, and that is no episode building."""
+        return self._largest_z(layers=False)
+
+    def _largest_z(self, *, layers: bool) -> float:
         w = self._w
         if w.score_cap:
             return SCORE_CAP
@@ -359,9 +350,14 @@ class StreamingDetector:
             return 0.0
         t = w.z_scratch
         _divide(w.dev, w.width, t)
-        m = float(np.fmax.reduce(t[:N_FIXED]))  # NaN (absent) ignored
-        if w.n > w.layers_end:
-            m = max(m, float(np.fmax.reduce(t[w.layers_end:])))
+        if not layers:
+            m = float(np.fmax.reduce(t[:N_FIXED]))  # NaN (absent) ignored
+            if w.n > w.layers_end:
+                m = max(m, float(np.fmax.reduce(t[w.layers_end:])))
+        elif w.dev_nan:
+            m = float(np.fmax.reduce(t))
+        else:
+            m = float(t[t.argmax()])  # a calm step: no NaN, and argmax is the cheap reduction
         m *= self._A
         return m if m > 0.0 else 0.0
 
