@@ -112,9 +112,10 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
 
 
 def _layout(grad: torch.Tensor) -> tuple:
-    """What a plan needs of a gradient: device, dtype, sparse, strided, local shape."""
+    """What a plan needs of a gradient: its group ``(device, dtype, sparse)``, whether it is
+    strided, its local shape."""
     g = _local(grad)
-    return g.device, g.dtype, g.is_sparse, g.layout == torch.strided, g.shape
+    return (g.device, g.dtype, g.is_sparse), g.layout == torch.strided, g.shape
 
 
 _GRAD = operator.attrgetter("grad")
@@ -226,15 +227,15 @@ class GradStats:
             lay = layouts[i]
             if lay is None:
                 lay = layouts[i] = _layout(grads[i])  # type: ignore[arg-type]
-            grp = groups.get(lay[:3])
+            grp = groups.get(lay[0])
             if grp is None:
-                grp = groups[lay[:3]] = _Group(lay[0], lay[1], lay[2], [])
+                grp = groups[lay[0]] = _Group(*lay[0], [])
             grp.members.append(pos)
         for grp in groups.values():
             if not grp.sparse:
                 lays = [layouts[present[m]] for m in grp.members]
-                stackable = grp.device.type == "cpu" and grp.dtype.is_floating_point and lays[0][3]
-                grp.plan = NormPlan.of_shapes([lay[4] for lay in lays], stackable=stackable)  # type: ignore[index]
+                stackable = grp.device.type == "cpu" and grp.dtype.is_floating_point and lays[0][1]  # type: ignore[index]
+                grp.plan = NormPlan.of_shapes([lay[2] for lay in lays], stackable=stackable)  # type: ignore[index]
         return _Plan(len(key), present, list(groups.values()), self.sharded)
 
     def _weight(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:

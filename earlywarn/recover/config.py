@@ -27,7 +27,7 @@ class RecoveryConfig:
     max_lost_steps: int = 50
     """A rewind should lose at most about this many steps. Sets the snapshot cadence:
     ``snapshot_every`` defaults to half of it (an incident takes some steps to show), and while
-    an episode builds (alerts, elevated gradients) snapshots come five times as often."""
+    an episode builds (alerts, the run's signals elevated) snapshots come five times as often."""
     snapshot_every: int | None = None
     """Steps between in-memory snapshots (host RAM; the first is taken at the first step).
     ``None``: ``max_lost_steps // 2``. 0 disables them; rewinds then need disk checkpoints."""

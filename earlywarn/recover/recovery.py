@@ -181,7 +181,7 @@ class Recovery:
     def after_step(self, step: int, *, clean: bool, building: bool = False) -> None:
         """Call after every optimizer step (applied or skipped). ``clean``: no incident within
         ``config.clean_window`` steps. ``building``: an episode may be building (recent alerts,
-        elevated gradients): snapshots come at ``every_building``. Takes the periodic snapshot /
+        the run's signals elevated): snapshots come at ``every_building``. Takes the periodic snapshot /
         checkpoint when due and clean (a due one waits for the first clean step). A step already
         given to :meth:`record_step` is only judged here."""
         seen = self.history.last_step
