@@ -1,7 +1,8 @@
 """Per-step overhead of earlywarn, paired and interleaved, on several model shapes (issue 23).
 
     python benchmarks/overhead.py [--rounds 12] [--block 25] [--shapes small,gpt,lora,tinylm,cnn,moe,gpt+clip]
-    python benchmarks/overhead.py --profile gpt [--steps 300]     # where one step's host work goes
+    python benchmarks/overhead.py --profile gpt [--steps 300]     # where one step's host work goes (step_profile.py)
+    python benchmarks/overhead.py --knockout gpt [--rounds 8]     # what each part costs, paired (step_profile.py)
     python benchmarks/overhead.py --against REV [--shapes ...]    # the working tree's guard vs git REV's, paired
     python benchmarks/overhead.py --alternatives [--steps 12]     # 11M GPT: vs clip, wandb.watch, .item()
     python benchmarks/overhead.py --agreement [--steps 60]        # DDP, gloo, 2 processes
@@ -27,8 +28,7 @@ which parameters have a gradient changes from step to step.
 ~50 us per step shows through the machine's noise, which two separate runs of the table do not.
 Not for a loop that clips: both packages would wrap torch's clip functions.
 
-``--profile``: the guard's functions timed in place on the thread's CPU clock (inclusive, a
-wrapper each) over ``--steps`` steps with the default sinks: what one step's host work is made of.
+``--profile`` and ``--knockout``: where one step's host work goes (``benchmarks/step_profile.py``).
 """
 
 from __future__ import annotations
@@ -502,81 +502,6 @@ def against() -> None:
               f"({min(diff) * 1e6:+.0f}..{max(diff) * 1e6:+.0f}) |", flush=True)
 
 
-# -- a profile of one step's host work -----------------------------------------------------------------
-
-def _profile_points() -> list[tuple[object, str, str, int]]:
-    """(owner, attribute, label, depth): the guard's per-step functions, in the order a step calls them."""
-    from earlywarn.capture.gradstats import GradStats
-    from earlywarn.detect.detector import StreamingDetector
-    from earlywarn.guard import judge, respond, statistics as stats, telemetry, watcher
-    from earlywarn.policy import Policy
-    from earlywarn.recover import batches, recovery, snapshots, statecheck
-
-    return [
-        (stats.StepStatistics, "report_loss", "report_loss (outside step())", 0),
-        (batches.BatchFingerprints, "observe", "input fingerprint, forward pre-hook (outside step())", 0),
-        (watcher.Watcher, "_optimizer_step", "optimizer.step(), whole", 0),
-        (watcher.Watcher, "_begin", "the statistics vector", 1),
-        (GradStats, "layer_sq_norms", "per-layer gradient norms", 2),
-        (statecheck.StateCheck, "flag", "optimizer-state finiteness flag (every Nth step)", 2),
-        (stats.StepStatistics, "read_now", "the host read", 1),
-        (stats.StepStatistics, "observation", "the Observation", 1),
-        (judge.Judge, "__call__", "judge", 1),
-        (StreamingDetector, "observe", "detector", 2),
-        (Policy, "decide", "policy (a step with alerts, or watching)", 2),
-        (Policy, "calm", "policy (a calm step)", 2),
-        (respond.Responses, "announce", "announce", 1),
-        (watcher.Watcher, "_run", "the update (the optimizer's own step)", 1),
-        (watcher.Watcher, "_after_step", "after the step", 1),
-        (recovery.Recovery, "after_step", "recovery bookkeeping", 2),
-        (snapshots.SnapshotKeeper, "start_due", "snapshot copies (amortised)", 3),
-        (snapshots.SnapshotKeeper, "judged", "snapshot confirmation", 3),
-        (StreamingDetector, "score", "detector score", 2),
-        (telemetry.Telemetry, "log_metrics", "metric row to the sinks", 2),
-    ]
-
-
-def profile() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default="gpt")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warm", type=int, default=60)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    run = _Run(args.profile, "defaults", tempfile.mkdtemp(prefix="ew-profile-"), timed=False)
-    for _ in range(args.warm):
-        run.step()
-    spent: dict[str, float] = {}
-    restore = []
-    for owner, attr, label, _ in _profile_points():
-        fn = owner.__dict__[attr]
-        restore.append((owner, attr, fn))
-        spent[label] = 0.0
-        def add(dt: float, _l: str = label) -> None:
-            spent[_l] += dt
-        timed = (property(_on_thread_clock(fn.fget, add)) if isinstance(fn, property)
-                 else _on_thread_clock(fn, add))
-        setattr(owner, attr, timed)
-    try:
-        t0 = time.thread_time()
-        for _ in range(args.steps):
-            run.step()
-        cpu = time.thread_time() - t0
-    finally:
-        for owner, attr, fn in restore:
-            setattr(owner, attr, fn)
-        run.close()
-    n = args.steps
-    print(f"{args.profile}: {cpu / n * 1e3:.2f} ms of thread CPU per step (defaults, the timers' own cost "
-          f"included); host work per step, thread CPU, inclusive, mean over {n} steps:")
-    for _, _, label, depth in _profile_points():
-        print(f"  {'  ' * depth}{label:{60 - 2 * depth}s} {spent[label] / n * 1e6:8.1f} us")
-    guard = spent["optimizer.step(), whole"] - spent["the update (the optimizer's own step)"]
-    outside = spent["report_loss (outside step())"] + spent["input fingerprint, forward pre-hook (outside step())"]
-    print(f"  {'the guard inside step() (whole minus the update)':60s} {guard / n * 1e6:8.1f} us")
-    print(f"  {'the guard in all (with report_loss and the fingerprint)':60s} {(guard + outside) / n * 1e6:8.1f} us")
-
-
 if __name__ == "__main__":
     if "--agreement" in sys.argv:
         ap = argparse.ArgumentParser()
@@ -587,7 +512,9 @@ if __name__ == "__main__":
         alternatives()
     elif "--against" in sys.argv:
         against()
-    elif "--profile" in sys.argv:
-        profile()
+    elif "--profile" in sys.argv or "--knockout" in sys.argv:
+        import step_profile
+
+        step_profile.main()
     else:
         table()

@@ -488,7 +488,7 @@ class _HostCopier:
                 out._metadata = _copy_metadata(x._metadata)  # type: ignore[attr-defined]
             return out
         if isinstance(x, (list, tuple)):
-            if all(type(v) in _SCALARS for v in x):
+            if _SCALARS.issuperset(map(type, x)):
                 # numbers only (Python's RNG state is a tuple of 625 ints): no walk, no deepcopy
                 return x if isinstance(x, tuple) else list(x)
             rr = r if isinstance(r, (list, tuple)) and len(r) == len(x) else [None] * len(x)

@@ -1,0 +1,190 @@
+"""Where one step's host work goes (issue 23): two views of the same guard, run by ``overhead.py``.
+
+    python benchmarks/overhead.py --profile gpt [--steps 300]              # each function, timed in place
+    python benchmarks/overhead.py --knockout gpt [--rounds 8] [--block 25]  # each part, what removing it saves
+
+``--profile``: the guard's functions timed in place on the thread's CPU clock (inclusive, a
+wrapper each) over ``--steps`` steps with the default sinks. It names every function, but its
+parts add up to more than the guard costs: each wrapper adds its own timer calls, and a part
+timed alone is not what it costs inside a step whose caches the backward pass has emptied.
+
+``--knockout``: the price of each part, paired. Copies of the same watched run train side by side
+in one process (ABBA, as the table in ``overhead.py``): one intact, and one per part with that part
+neutralised on its watcher -- the norm pass (the first step's values returned), the periodic
+snapshots, the detector (no alerts), the optimizer-state check, the input fingerprint, the metric
+row to the sinks. What a part costs is the intact run's in-place guard time less its copy's, per
+round; the rest is the guard's own step (the vector, the host read, the judge, the policy, the
+recovery bookkeeping). A copy without a part is no run anyone should train: it is a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from overhead import _interleave, _on_thread_clock, _Run
+
+
+def _profile_points() -> list[tuple[object, str, str, int]]:
+    """(owner, attribute, label, depth): the guard's per-step functions, in the order a step calls them."""
+    from earlywarn.capture.gradstats import GradStats
+    from earlywarn.detect.detector import StreamingDetector
+    from earlywarn.guard import judge, respond, statistics as stats, telemetry, watcher
+    from earlywarn.policy import Policy
+    from earlywarn.recover import batches, recovery, snapshots, statecheck
+
+    return [
+        (stats.StepStatistics, "report_loss", "report_loss (outside step())", 0),
+        (batches.BatchFingerprints, "observe", "input fingerprint, forward pre-hook (outside step())", 0),
+        (watcher.Watcher, "_optimizer_step", "optimizer.step(), whole", 0),
+        (watcher.Watcher, "_begin", "the statistics vector", 1),
+        (GradStats, "layer_sq_norms", "per-layer gradient norms", 2),
+        (statecheck.StateCheck, "flag", "optimizer-state finiteness flag (every Nth step)", 2),
+        (stats.StepStatistics, "read_now", "the host read", 1),
+        (stats.StepStatistics, "observation", "the Observation", 1),
+        (judge.Judge, "__call__", "judge", 1),
+        (StreamingDetector, "observe", "detector", 2),
+        (Policy, "decide", "policy (a step with alerts, or watching)", 2),
+        (Policy, "calm", "policy (a calm step)", 2),
+        (respond.Responses, "announce", "announce", 1),
+        (watcher.Watcher, "_run", "the update (the optimizer's own step)", 1),
+        (watcher.Watcher, "_after_step", "after the step", 1),
+        (recovery.Recovery, "after_step", "recovery bookkeeping", 2),
+        (snapshots.SnapshotKeeper, "start_due", "snapshot copies (amortised)", 3),
+        (snapshots.SnapshotKeeper, "judged", "snapshot confirmation", 3),
+        (StreamingDetector, "score", "detector score", 2),
+        (telemetry.Telemetry, "log_metrics", "metric row to the sinks", 2),
+    ]
+
+
+def profile(args: argparse.Namespace) -> None:
+    run = _Run(args.profile, "defaults", tempfile.mkdtemp(prefix="ew-profile-"), timed=False)
+    for _ in range(args.warm):
+        run.step()
+    spent: dict[str, float] = {}
+    restore = []
+    for owner, attr, label, _ in _profile_points():
+        fn = owner.__dict__[attr]
+        restore.append((owner, attr, fn))
+        spent[label] = 0.0
+        def add(dt: float, _l: str = label) -> None:
+            spent[_l] += dt
+        timed = (property(_on_thread_clock(fn.fget, add)) if isinstance(fn, property)
+                 else _on_thread_clock(fn, add))
+        setattr(owner, attr, timed)
+    try:
+        t0 = time.thread_time()
+        for _ in range(args.steps):
+            run.step()
+        cpu = time.thread_time() - t0
+    finally:
+        for owner, attr, fn in restore:
+            setattr(owner, attr, fn)
+        run.close()
+    n = args.steps
+    print(f"{args.profile}: {cpu / n * 1e3:.2f} ms of thread CPU per step (defaults, the timers' own cost "
+          f"included); host work per step, thread CPU, inclusive, mean over {n} steps:")
+    for _, _, label, depth in _profile_points():
+        print(f"  {'  ' * depth}{label:{60 - 2 * depth}s} {spent[label] / n * 1e6:8.1f} us")
+    guard = spent["optimizer.step(), whole"] - spent["the update (the optimizer's own step)"]
+    outside = spent["report_loss (outside step())"] + spent["input fingerprint, forward pre-hook (outside step())"]
+    print(f"  {'the guard inside step() (whole minus the update)':60s} {guard / n * 1e6:8.1f} us")
+    print(f"  {'the guard in all (with report_loss and the fingerprint)':60s} {(guard + outside) / n * 1e6:8.1f} us")
+
+
+# -- knock-outs: what each part costs inside a real step ------------------------------------------------
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _without_norms(ew: Any) -> None:
+    stats = ew.statistics.stats
+    first: list[torch.Tensor] = []
+    real = stats.layer_sq_norms
+
+    def first_values(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if not first:
+            first.append(real(*args, **kwargs))
+        return first[0]
+    stats.layer_sq_norms = first_values
+
+
+def _without_snapshots(ew: Any) -> None:
+    ew.recovery.snapshots.start_due = _nothing
+
+
+def _without_detector(ew: Any) -> None:
+    ew.detector.observe = lambda obs: []
+
+
+def _without_state_check(ew: Any) -> None:
+    st = ew.statistics
+    st.state_check.flag = lambda device, dtype: st._zero_entry
+
+
+def _without_fingerprint(ew: Any) -> None:
+    fps = ew.recovery.fingerprints
+    fps.observe = fps.bind = _nothing
+
+
+def _without_metric_row(ew: Any) -> None:
+    ew.telemetry.log_metrics = _nothing
+
+
+KNOCKOUTS: dict[str, tuple[str, Callable[[Any], None]]] = {
+    "norms": ("the gradient norm pass (per-tensor norms, per-layer sums)", _without_norms),
+    "snapshots": ("the periodic snapshots (copies, finiteness flag, confirmation)", _without_snapshots),
+    "detector": ("the detector", _without_detector),
+    "state check": ("the optimizer-state check (every Nth step)", _without_state_check),
+    "fingerprint": ("the input fingerprint (forward pre-hook)", _without_fingerprint),
+    "metric row": ("the metric row to the sinks", _without_metric_row),
+}
+
+
+def knockout(args: argparse.Namespace) -> None:
+    out_dir = tempfile.mkdtemp(prefix="ew-knockout-")
+    runs = {"bare": _Run(args.knockout, "bare", out_dir), "intact": _Run(args.knockout, "defaults", out_dir)}
+    for name, (_, neutralise) in KNOCKOUTS.items():
+        run = runs[name] = _Run(args.knockout, "defaults", out_dir)
+        neutralise(run.ew)
+    rec = _interleave(runs, args.rounds, args.block, args.warm)
+    intact = rec["intact"]["guard"]
+    whole = statistics.median(intact)
+    print(f"{args.knockout}: the guard's host time in place (defaults) {whole * 1e6:.0f} us a step on a "
+          f"{statistics.median(rec['bare']['cpu']) * 1e3:.2f} ms bare step; {args.rounds} rounds x {args.block} "
+          f"steps, {len(runs)} copies side by side (ABBA)")
+    print("| part | what removing it saves, paired (median) | rounds min..max | share |")
+    print("|---|---:|---:|---:|")
+    rest = whole
+    for name, (label, _) in KNOCKOUTS.items():
+        saved = [a - b for a, b in zip(intact, rec[name]["guard"])]
+        med = statistics.median(saved)
+        rest -= med
+        print(f"| {label} | {med * 1e6:.0f} us | {min(saved) * 1e6:.0f}..{max(saved) * 1e6:.0f} us | "
+              f"{med / whole:.0%} |")
+    print(f"| the rest: the guard's own step (vector, host read, judge, policy, bookkeeping) | {rest * 1e6:.0f} us | "
+          f"- | {rest / whole:.0%} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", metavar="SHAPE")
+    ap.add_argument("--knockout", metavar="SHAPE")
+    ap.add_argument("--steps", type=int, default=300, help="--profile: steps timed")
+    ap.add_argument("--rounds", type=int, default=8, help="--knockout: rounds")
+    ap.add_argument("--block", type=int, default=25, help="--knockout: steps per round (a snapshot every 25)")
+    ap.add_argument("--warm", type=int, default=60)
+    args = ap.parse_args()
+    if (args.profile is None) == (args.knockout is None):
+        ap.error("give one of --profile SHAPE and --knockout SHAPE")
+    torch.set_num_threads(1)
+    if args.profile is not None:
+        profile(args)
+    else:
+        knockout(args)

@@ -1,0 +1,85 @@
+"""``overhead.py --knockout``'s contract: each copy runs without exactly the part it is named for.
+
+The knock-out table says what removing a part saves; if a rename left a neutraliser patching an
+attribute the watcher no longer calls, the copy would run intact and the table would say the part
+costs nothing. Each part is counted where its work happens (one level below what is patched)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import earlywarn
+from earlywarn.capture.gradstats import GradStats
+from earlywarn.detect.detector import Detector
+from earlywarn.guard.telemetry import Telemetry
+from earlywarn.recover.batches import BatchFingerprints
+from earlywarn.recover.snapshots import LiveState
+from earlywarn.recover.statecheck import StateCheck
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import step_profile  # noqa: E402
+
+# the function whose calls show the part at work, per knock-out
+WORK = {
+    "norms": (GradStats, "layer_sq_norms"),
+    "snapshots": (LiveState, "capture"),
+    "detector": (Detector, "step"),
+    "state check": (StateCheck, "tensors"),
+    "fingerprint": (BatchFingerprints, "_hash"),
+    "metric row": (Telemetry, "log_metrics"),
+}
+
+
+def _steps(neutralise, monkeypatch, steps: int = 30) -> dict[str, int]:
+    calls = dict.fromkeys(WORK, 0)
+    for part, (owner, attr) in WORK.items():
+        real = owner.__dict__[attr]
+
+        def counted(*args, _real=real, _part=part, **kwargs):
+            calls[_part] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(owner, attr, counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    if neutralise is not None:
+        neutralise(ew)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        ew.report_loss(loss)
+        loss.backward()
+        opt.step()
+    ew.close()
+    monkeypatch.undo()
+    return calls
+
+
+def test_every_part_is_at_work_in_an_intact_run(monkeypatch):
+    calls = _steps(None, monkeypatch)
+    assert all(n > 0 for n in calls.values()), calls
+
+
+@pytest.mark.parametrize("part", list(step_profile.KNOCKOUTS))
+def test_a_knockout_removes_its_part_and_nothing_else(part, monkeypatch):
+    calls = _steps(step_profile.KNOCKOUTS[part][1], monkeypatch)
+    # the norm pass runs once: its first values stand for every later step
+    assert calls[part] == (1 if part == "norms" else 0), calls
+    others = {k: n for k, n in calls.items() if k != part}
+    assert all(n > 0 for n in others.values()), others
+
+
+def test_profile_and_knockout_take_one_shape_and_say_so():
+    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--profile", "gpt", "--knockout", "gpt"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "give one of --profile SHAPE and --knockout SHAPE" in proc.stderr
