@@ -427,6 +427,25 @@ def test_the_run_score_reads_the_runs_own_signals_not_one_of_many_layers():
     assert sd.run_score == sd.score == 1000.0
 
 
+def test_the_run_scores_python_maximum_is_numpys_fmax_of_the_ratios():
+    # run_score takes the run's few channels in Python (numpy's reduction is dear on a step's cold
+    # caches): the same divisions and maximum as np.fmax.reduce, NaN (absent) ignored
+    from earlywarn.detect.detector import _largest_ratio
+
+    rng = np.random.default_rng(11)
+    devs = [math.nan, 0.0, -0.0, math.inf, -math.inf, 1e-300, -3.5, 2.25]
+    widths = [0.35, 1e-300, math.inf, 7.0, math.nan, 0.0]
+    with np.errstate(all="ignore"):
+        for _ in range(5000):
+            n = int(rng.integers(1, 7))
+            dev = [float(rng.normal(0, 3)) if rng.random() < 0.5 else devs[rng.integers(len(devs))] for _ in range(n)]
+            width = [float(rng.uniform(0.05, 3)) if rng.random() < 0.7 else widths[rng.integers(len(widths))]
+                     for _ in range(n)]
+            want = float(np.fmax.reduce(np.divide(np.array(dev), np.array(width))))
+            got = _largest_ratio(dev, width)
+            assert got == want or (math.isnan(got) and math.isnan(want)), (dev, width)
+
+
 def test_lr_warmup_that_lowers_the_norm_does_not_alarm():
     # the norm falls 30x over 600 steps (as in llm.c's first steps), noisy
     rng = np.random.default_rng(4)
