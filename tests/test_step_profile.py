@@ -2,7 +2,8 @@
 
 The knock-out table says what removing a part saves; if a rename left a neutraliser patching an
 attribute the watcher no longer calls, the copy would run intact and the table would say the part
-costs nothing. Each part is counted where its work happens (one level below what is patched)."""
+costs nothing. Each part is counted on its class, beneath the instance attribute a knock-out sets
+(or one call below it)."""
 
 from __future__ import annotations
 

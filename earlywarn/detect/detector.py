@@ -365,14 +365,13 @@ class StreamingDetector:
             if w.n_users:
                 width, dev = w.user_wd.tolist()
                 m = max(m, _largest_ratio(dev, width))
-            m *= self._A
-            return m if m > 0.0 else 0.0
-        t = w.z_scratch
-        _divide(w.dev, w.width, t)
-        if w.dev_nan:
-            m = float(np.fmax.reduce(t))
         else:
-            m = float(t[t.argmax()])  # a calm step: no NaN, and argmax is the cheap reduction
+            t = w.z_scratch
+            _divide(w.dev, w.width, t)
+            if w.dev_nan:
+                m = float(np.fmax.reduce(t))  # NaN (absent) ignored
+            else:
+                m = float(t[t.argmax()])  # a calm step: no NaN, and argmax is the cheap reduction
         m *= self._A
         return m if m > 0.0 else 0.0
 
