@@ -20,7 +20,8 @@ touches: its median over rounds, over the bare step, is the estimate the goals a
 ``small`` relates it to one ``clip_grad_norm_(foreach=True)`` over the same gradients. ``gpt+clip``:
 every variant clips at 1.0 (earlywarn reads the clip's own per-tensor norms: one norm pass).
 ``moe`` (no goal in the issue: a shape it did not name) routes 8 tokens to 8 experts a layer, so
-which parameters have a gradient changes from step to step.
+which parameters have a gradient changes from step to step. Held out from the default shapes:
+``moe_wide``, ``vit``, ``unet``, ``gru`` (``--shapes vit,unet,gru``; step_shapes.py says what they are).
 
 ``--against REV``: the guard's in-place host time of the working tree against that of git revision
 ``REV`` (its ``earlywarn/`` package, imported under another name; sinks from the working tree's

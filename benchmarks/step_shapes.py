@@ -16,6 +16,15 @@ thread; step times are those of this project's 2-core CPU machines.
   step to step (top-1 routing of 8 tokens over 8 experts in each of 4 layers, ~15 ms).
 - ``moe_wide``: the same at 32 experts in each of 8 layers, 16 tokens (522 layers, 1043 tensors,
   ~45 ms): hundreds of noisy layers. Not in the table's default shapes (``--shapes moe_wide``).
+
+Three more kinds of model, none of which any change was tuned on, for measuring "other model shapes
+the same way" (not in the default shapes either: ``--shapes vit,unet,gru``; they need timm and
+diffusers, which ``scripts/setup.sh`` installs):
+
+- ``vit``: a timm ViT (4 blocks, d=96, 4x4 patches) classifying 32x32 images, AdamW (56 tensors, ~40 ms).
+- ``unet``: a diffusers ``UNet2DModel`` with attention blocks denoising 16x16 images, AdamW (144
+  tensors, ~35 ms).
+- ``gru``: a 2-layer GRU language model, RMSprop (11 tensors, ~22 ms): few large tensors.
 """
 
 from __future__ import annotations
@@ -96,9 +105,10 @@ class TinyLM(nn.Module):
         return self.head(self.encoder(self.emb(x), mask=mask, is_causal=True))
 
 
-def _next_token(model: nn.Module, lr: float, shape: tuple[int, int], batches: int) -> Shape:
-    """AdamW on next-token prediction over 256 symbols, ``batches`` fixed batches of ``shape``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def _next_token(model: nn.Module, lr: float, shape: tuple[int, int], batches: int, *,
+                optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> Shape:
+    """``optimizer`` (AdamW) on next-token prediction over 256 symbols, ``batches`` fixed batches of ``shape``."""
+    opt = optimizer(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 256, shape, generator=g) for _ in range(batches)]
 
@@ -175,6 +185,49 @@ def make_moe_wide(seed: int = 0) -> Shape:
     return _next_token(MoE(d=32, experts=32, layers=8), 1e-3, (1, 17), 64)
 
 
+def make_vit(seed: int = 0) -> Shape:
+    import timm
+
+    torch.manual_seed(seed)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=10,
+                              depth=4, embed_dim=96, num_heads=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(16)]
+    return model, opt, lambda i: F.cross_entropy(model(data[i % 16][0]), data[i % 16][1])
+
+
+def make_unet(seed: int = 0) -> Shape:
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(seed)
+    model = UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
+                        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                        norm_num_groups=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 1000, (4,), generator=g)) for _ in range(16)]
+    return model, opt, lambda i: F.mse_loss(model(*data[i % 16]).sample, data[i % 16][0])
+
+
+class GRULM(nn.Module):
+    """A 2-layer GRU between an embedding and a head: 11 tensors, most of them large."""
+
+    def __init__(self, d: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.rnn = nn.GRU(d, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+def make_gru(seed: int = 0) -> Shape:
+    torch.manual_seed(seed)
+    return _next_token(GRULM(), 1e-3, (8, 33), 16, optimizer=torch.optim.RMSprop)
+
+
 SHAPES: dict[str, Callable[[int], Shape]] = {
     "small": make_small, "gpt": make_gpt, "lora": make_lora, "tinylm": make_tinylm, "cnn": make_cnn,
-    "moe": make_moe, "moe_wide": make_moe_wide}
+    "moe": make_moe, "moe_wide": make_moe_wide, "vit": make_vit, "unet": make_unet, "gru": make_gru}
