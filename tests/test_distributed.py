@@ -512,6 +512,136 @@ def scenario_fsdp_repair(rank: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def zero_mlp() -> tuple[nn.Module, Any]:
+    """DDP with torch's ZeroRedundancyOptimizer (ZeRO-1): every rank holds the whole model and
+    the AdamW state of its own share of the parameters only."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(MLP().double())
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+
+
+def zero_share(zero: Any) -> list[torch.Tensor]:
+    """This rank's share of the optimizer state (the local optimizer's tensors, in its order)."""
+    return [v.detach().clone() for g in zero.optim.param_groups for p in g["params"]
+            for v in zero.optim.state.get(p, {}).values() if torch.is_tensor(v)]
+
+
+def scenario_zero_rewind(rank: int, tmp: Path) -> dict[str, Any]:
+    """ZeRO-1, default RecoveryConfig: rank 1's replica of a weight turns NaN (loss reported);
+    every rank rewinds to the same in-memory snapshot (step 0) and puts back its own share of the
+    optimizer state -- without ZeRO's consolidation, which moves the whole state."""
+    import earlywarn
+    from earlywarn.events import Kind
+
+    loader = sharded_loader(rank)
+    ddp, zero = zero_mlp()
+    ew = earlywarn.watch(ddp, zero, loader=loader, sinks=[], recovery=recovery_in(tmp, rank))
+    positions, step, snap, restored, collectives = [], 0, None, None, []
+    for _epoch in range(2):
+        for x, y in loader:
+            if step == 6 and rank == 1:
+                with torch.no_grad():
+                    ddp.module.hidden.weight[0, 0] = float("nan")
+            zero.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            ew.report_loss(loss)
+            with Collectives() as c:
+                zero.step()
+            collectives.append(sorted(set(c.ops)))
+            if step == 0:
+                snap = (zero_share(zero), digest(list(ddp.module.parameters())))
+            if step == 6:
+                restored = (same(snap[0], zero_share(zero)), digest(list(ddp.module.parameters())))
+            positions.append(loader.position.to_dict())
+            step += 1
+    rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    out = {"positions": positions, "events": events(ew), "rewinds": [e.step for e in rewinds],
+           "rewind_messages": [e.message for e in rewinds], "restored": restored, "snap_digest": snap[1],
+           "collectives": collectives, "digest": digest(list(ddp.module.parameters())),
+           "share": len(zero_share(zero)), "finite": all(bool(torch.isfinite(t).all()) for t in
+                                                        zero_share(zero) + list(ddp.module.parameters()))}
+    ew.close()
+    return out
+
+
+def scenario_zero_repair(rank: int, tmp: Path) -> dict[str, Any]:
+    """ZeRO-1, default RecoveryConfig: AdamW's second moment of `hidden.weight` is poisoned (inf)
+    on the one rank that holds it, then the other rank draws a NaN batch. The other rank holds
+    none of that state, yet every rank must see the same scan, choose repair over rewind and
+    report the same repair; the holder resets the coordinate to the tensor's largest finite value."""
+    import earlywarn
+    from earlywarn.events import Kind
+
+    ddp, zero = zero_mlp()
+    ew = earlywarn.watch(ddp, zero, sinks=[], recovery=recovery_in(tmp, rank))
+    reports = []
+    orig = ew.recovery.repair
+    ew.recovery.repair = lambda *a, **k: (reports.append(orig(*a, **k)), reports[-1])[1]
+    w = ddp.module.hidden.weight
+    holder = zero._param_to_rank[w]
+    out: dict[str, Any] = {"holder": holder}
+    for step in range(8):
+        zero.zero_grad()
+        x, y = local_batch(step, rank)
+        if step == 4 and rank != holder:
+            x[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        ew.report_loss(loss)
+        if step == 4:
+            params_before = [p.detach().clone() for p in ddp.module.parameters()]
+        zero.step()
+        if step == 3 and rank == holder:
+            v = zero.optim.state[w]["exp_avg_sq"]
+            with torch.no_grad():
+                v[0, 0] = float("inf")
+            out["max"] = float(v[torch.isfinite(v)].max())
+        if step == 4:
+            out["params_untouched"] = same(params_before, list(ddp.module.parameters()))
+            if rank == holder:
+                out["v00"] = float(zero.optim.state[w]["exp_avg_sq"][0, 0])
+                out["m00"] = float(zero.optim.state[w]["exp_avg"][0, 0])
+    out.update({"events": events(ew), "counters": ew.summary(), "reports": [r.to_dict() for r in reports],
+                "rewinds": [e.step for e in ew.events if e.kind is Kind.REWIND],
+                "digest": digest(list(ddp.module.parameters())),
+                "finite": all(bool(torch.isfinite(t).all()) for t in zero_share(zero))})
+    ew.close()
+    return out
+
+
+def scenario_zero_resume(rank: int, tmp: Path) -> dict[str, Any]:
+    """ZeRO-1 with disk checkpoints (the default writer: one file per rank, each with its own
+    share of the state): a fresh model and optimizer resume every rank's share exactly."""
+    import earlywarn
+    from earlywarn.recover import RecoveryConfig
+
+    cfg = RecoveryConfig(checkpoint_dir=str(tmp / "zero_ckpt"), checkpoint_every=5,
+                         quarantine_path=str(tmp / f"zero_quarantine{rank}.jsonl"))
+    ddp, zero = zero_mlp()
+    ew = earlywarn.watch(ddp, zero, sinks=[], recovery=cfg)
+    train_steps(ddp, zero, rank, range(8))
+    ew.flush()
+    ew.close()
+    ddp2, zero2 = zero_mlp()
+    ew2 = earlywarn.watch(ddp2, zero2, sinks=[], recovery=cfg)
+    step = ew2.recovery.resume(restore_data=False)
+    share, params = zero_share(zero2), [p.detach().clone() for p in ddp2.module.parameters()]
+    # the same run again, uninterrupted, to the checkpoint's step: the state it must equal
+    ddp3, zero3 = zero_mlp()
+    train_steps(ddp3, zero3, rank, range(step + 1))
+    out = {"step": step, "share": len(share), "state_equal": same(share, zero_share(zero3)),
+           "params_equal": same(params, [p.detach() for p in ddp3.module.parameters()]),
+           "wrapper_state": len(zero2.state), "lr": [g["lr"] for g in zero2.param_groups]}
+    train_steps(ddp2, zero2, rank, range(step + 1, step + 3))  # and it trains on
+    out["finite"] = all(bool(torch.isfinite(t).all()) for t in zero_share(zero2))
+    ew2.close()
+    return out
+
+
 def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
     """CheckpointManager + dcp_checkpoint_fns on both ranks: one shared checkpoint per step,
     committed by rank 0; then the same through the watcher, with a rewind from disk."""
@@ -605,6 +735,9 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "fsdp_rewind": scenario_fsdp_rewind,
     "fsdp_repair": scenario_fsdp_repair,
     "dcp_manager": scenario_dcp_manager,
+    "zero_rewind": scenario_zero_rewind,
+    "zero_repair": scenario_zero_repair,
+    "zero_resume": scenario_zero_resume,
 }
 
 
@@ -862,3 +995,52 @@ def test_default_writer_keeps_one_directory_per_rank_for_sharded_state(results):
         assert r["entries"] == ["rank0", "rank1"]
         assert r["files"] == ["step-0000000001.clean.pt"]
         assert r["restored"]  # this rank's shards, read back with weights_only and copied in place
+
+
+def test_zero1_rewind_on_both_ranks_restores_each_share_of_the_state(results):
+    r0, r1 = get(results, "zero_rewind")
+    assert r0["rewinds"] == r1["rewinds"] == [6], (r0["events"], r0["rewind_messages"])
+    assert r0["events"] == r1["events"]
+    assert without_samples(r0["rewind_messages"]) == without_samples(r1["rewind_messages"])
+    assert "memory:0" in r0["rewind_messages"][0]  # the default ring's snapshot of step 0
+    # every rank put its own share of the state back bit for bit, and the one model with it
+    assert r0["restored"][0] and r1["restored"][0]
+    assert r0["restored"][1] == r1["restored"][1] == r0["snap_digest"] == r1["snap_digest"]
+    assert r0["share"] and r1["share"]  # both ranks hold some of the state
+    assert r0["positions"] == r1["positions"] and r0["positions"][6] == {"epoch": 0, "batch_index": 7}
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+    # no consolidation of the state (ZeRO's broadcasts of it): ZeRO's broadcasts of the
+    # parameters and earlywarn's all-reduces (the stats vector, the snapshot flags); the bad step
+    # (rewound, not applied: no broadcast) alone gathers the state's layout (paths and dtypes)
+    for r in (r0, r1):
+        calm = {op for step, ops in enumerate(r["collectives"]) if step != 6 for op in ops}
+        assert calm == {"c10d.allreduce_.default", "c10d.broadcast_.default"}
+        assert set(r["collectives"][6]) == {"c10d.allreduce_.default", "c10d.allgather_.default"}
+
+
+def test_zero1_state_poisoned_on_its_one_holder_is_repaired_with_one_report_on_every_rank(results):
+    r0, r1 = get(results, "zero_repair")
+    holder = (r0, r1)[r0["holder"]]
+    assert r0["events"] == r1["events"] and r0["reports"] == r1["reports"]
+    assert r0["rewinds"] == r1["rewinds"] == []
+    assert r0["counters"]["repaired_steps"] == r1["counters"]["repaired_steps"] == 1
+    (report,) = r0["reports"]
+    # the whole tensor's size, counted once (one rank holds it), on both ranks
+    assert report["found"]["flags"] == [{"name": "hidden.weight", "key": "exp_avg_sq", "nonfinite": 1, "numel": 256}]
+    assert report["ok"] and report["step"] == 4
+    done = {(a["key"], a["action"]): a for a in report["repaired"]}
+    assert set(done) == {("exp_avg", "zero"), ("exp_avg_sq", "finite_max")}
+    assert done[("exp_avg_sq", "finite_max")]["value"] == holder["max"]
+    assert holder["v00"] == holder["max"] and holder["m00"] == 0.0
+    assert r0["params_untouched"] and r1["params_untouched"]  # the NaN step was skipped
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_zero1_checkpoint_resumes_each_ranks_share_exactly(results):
+    r0, r1 = get(results, "zero_resume")
+    assert r0["step"] == r1["step"] == 5
+    assert r0["share"] and r1["share"] and r0["share"] + r1["share"] == 3 * 6  # AdamW: step, m, v per parameter
+    assert r0["state_equal"] and r1["state_equal"] and r0["params_equal"] and r1["params_equal"]
+    assert r0["wrapper_state"] == r1["wrapper_state"] == 0  # no second copy of the share
+    assert r0["lr"] == r1["lr"] == [1e-2]
+    assert r0["finite"] and r1["finite"]

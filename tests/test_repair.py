@@ -360,3 +360,35 @@ def test_a_nan_batch_through_batchnorm_costs_one_skip_and_its_running_stats_are_
         Kind.SKIP, Kind.REPAIR, Kind.QUARANTINE]
     assert scan_state(model, opt).clean
     ew.close()
+
+
+def test_every_repair_counts_once_whichever_check_found_the_poison(tmp_path):
+    # A moment poisoned by the update of a snapshot step is found by the snapshot's finiteness
+    # flag (that step's copy is dropped, the state repaired); one poisoned between snapshots by the
+    # next step's state check. Both are repairs: the counter, the metric and the events agree.
+    import earlywarn
+
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(
+        snapshot_every=5, state_check_every=1, quarantine_path=str(tmp_path / "q.jsonl")))
+    poison_after = {10, 17}  # a snapshot step's update, and a step between snapshots
+
+    def poison(o, args, kwargs):
+        if ew.step - 1 in poison_after:
+            o.state[model[0].weight]["exp_avg_sq"][0, 0] = math.nan
+
+    hook = opt.register_step_post_hook(poison)
+    x, y = make_data()
+    for step in range(24):
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    hook.remove()
+    repairs = [e for e in ew.events if e.kind is Kind.REPAIR]
+    assert len(repairs) == 2 and all(e.values["repaired"] > 0 and e.values["ok"] == 1.0 for e in repairs), repairs
+    assert ew.counters["repaired_steps"] == 2 and ew.counters["rewinds"] == 0
+    assert ew.recovery.scan().clean
+    ew.close()

@@ -88,8 +88,8 @@ class Responses:
         if not decision.bad_batch:
             return
         scan = decision.scan
-        if scan is not None and scan.buffers and self.recovery.repair(tag.step, scan=scan, incident=False).repaired:
-            self.telemetry.count("repaired_steps")
+        if scan is not None and scan.buffers:
+            self.recovery.repair(tag.step, scan=scan, incident=False)
         what = "non-finite loss" if decision.loss_bad else "non-finite gradient"
         self.recovery.quarantine_batch(
             tag.step, f"{what}: bad batch",
@@ -147,7 +147,6 @@ class Responses:
     def repair(self, decision: Decision, tag: StepTag) -> None:
         """Poisoned optimizer state with finite parameters: repaired in place, progress kept."""
         self.recovery.repair(tag.step, scan=decision.scan)
-        self.telemetry.count("repaired_steps")
 
     def rewind(self, decision: Decision, tag: StepTag, episode: Episode) -> RewindReport:
         """Back to the newest clean snapshot taken before the incident began (raises Halt when

@@ -113,6 +113,8 @@ class Telemetry:
         written = event.kind is Kind.CHECKPOINT and event.signal != "checkpoint_failed"
         if written:  # periodic and on-warning alike: every checkpoint written counts
             self.count("checkpoints")
+        if event.kind is Kind.REPAIR and event.values.get("repaired", 0.0) > 0:
+            self.count("repaired_steps")  # whichever path found the poison (a step's check, a snapshot's flag, a bad batch)
         # The step's alert_level is the worst of its events, whatever a rewind restores later.
         self.levels.note(event.kind, event.level, event.step)
         for sink in self.sinks:

@@ -44,6 +44,7 @@ from earlywarn.metrics import MetricsConfig
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Recovery, RecoveryConfig
 from earlywarn.recover.ema import averaged_copies_warning
+from earlywarn.recover.holders import has_state
 from earlywarn.recover.statecheck import check_every
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
@@ -118,8 +119,8 @@ class Watcher:
             # no loader names the batches: fingerprint the model's inputs (on the device, no sync)
             self._input_hook = model.register_forward_pre_hook(_input_fingerprint(self.recovery), with_kwargs=True)
         # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
-        if self.optimizer.state and self.recovery.repair(self.step).repaired:
-            self.telemetry.count("repaired_steps")
+        if has_state(self.optimizer):
+            self.recovery.repair(self.step)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -399,8 +400,7 @@ class Watcher:
 
     def _judge(self, host: np.ndarray, tag: StepTag) -> Decision:
         # a poisoned optimizer moment (the vector's last entry) is repaired before this step's update
-        if self.statistics.state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step):
-            self.telemetry.count("repaired_steps")
+        self.statistics.state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step)
         obs = self.statistics.observation(host, tag)
         decision = self.judge(obs, host[:self.statistics.num_layers], tag.counts is not None,
                               tag.step, self.episode)

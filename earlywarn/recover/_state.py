@@ -18,6 +18,7 @@ from earlywarn.capture.norms import SMALL, NormSum
 
 from ._tree import at, leaves, same_structure
 from .errors import CheckpointError
+from .holders import state_of
 
 try:  # torch builds without distributed support have no DTensor (and no sharded state)
     from torch.distributed.tensor import DTensor
@@ -93,10 +94,11 @@ def _key(t: torch.Tensor) -> tuple[torch.device, int] | None:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors only ``optimizer.step`` writes: its parameters and their state (local shards).
-    Flat per-parameter state (torch.optim's) is read in one pass; nested state is walked."""
+    """The tensors only ``optimizer.step`` writes: its parameters and their state (local shards;
+    the state of an optimizer it wraps too). Flat per-parameter state (torch.optim's) is read in
+    one pass; nested state is walked."""
     out: list[torch.Tensor] = []
-    state = optimizer.state
+    state = state_of(optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
             out.append(local(p))
@@ -732,8 +734,10 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> N
         return
     with torch.no_grad():
         for i, p in enumerate(params):
+            saved = saved_state.get(i)
+            if not saved:  # nothing saved, nothing live (_fits): no entry made (ZeRO: another rank's)
+                continue
             live = optimizer.state[p]
-            saved = saved_state.get(i, {})
             for path, v in leaves(saved):
                 local(at(live, path)).copy_(local(v))  # sharded state: this rank's shard, in place
             for k, v in saved.items():  # top-level values that are not tensors (counters, flags)

@@ -48,6 +48,7 @@ from .config import SINCE_SNAPSHOT, RecoveryConfig
 from .data import BatchFingerprints, BatchRef, DataPositionAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError
 from .history import BatchHistory
+from .holders import state_view
 from .quarantine import Quarantine, quarantine_path
 from .records import Blame, QuarantineRecord, RewindReport, _blame_dict, _name_batch
 from .lrceiling import LrCeiling
@@ -94,6 +95,7 @@ class Recovery:
         run_step: Callable[[int], int] = int,
     ) -> None:
         self.config = cfg = config if config is not None else RecoveryConfig()
+        optimizer = state_view(optimizer)  # ZeRO-1: its state as one optimizer's (recover/holders.py)
         self.live = _live_state(model, optimizer, scheduler, scaler, extra_state, keep_on_rewind, late_state)
         self.emit = emit
         self.run_step = run_step
@@ -290,7 +292,7 @@ class Recovery:
             if incident:
                 self.window.incident(step)
         values = {"tensors": float(len(scan.flags)), "elements": float(sum(f.nonfinite for f in scan.flags)),
-                  "ok": float(report.ok)}
+                  "ok": float(report.ok), "repaired": float(len(report.repaired))}
         self.emit(Event(step=step, kind=Kind.REPAIR, level=Level.WARNING if report.ok else Level.CRITICAL,
                         message=report.summary() if cfg.repair else "repair disabled: " + scan.summary(),
                         signal="optimizer_state", layers=tuple(dict.fromkeys(f.name for f in scan.flags)),

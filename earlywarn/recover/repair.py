@@ -49,6 +49,7 @@ import torch
 
 from ._state import local
 from ._tree import at, leaf_name, leaves, path_name
+from .holders import agreed_state, state_view
 from .scan import (  # noqa: F401 - re-exported: the scan's types are part of this module's API
     FiniteBaseline,
     Flag,
@@ -193,13 +194,16 @@ def repair_optimizer_state(
         baseline: the :class:`FiniteBaseline` the scan used (the verifying scan uses it too).
     """
     snap_model, snap_opt = _snapshot_trees(snapshot)
+    optimizer = state_view(optimizer)
     agree = _Agree()
     # 1. plan on the local shards; every number a decision depends on goes into `counts`, agreed
-    # by one SUM over ranks (parameters in model order: every rank builds the same list)
-    plans, counts, device = _plan(optimizer, scan, snap_model, snap_opt, reset_state)
+    # by one SUM over ranks (parameters in model order, the state in one layout: every rank
+    # builds the same list; ZeRO-1 stands in empty tensors for the state other ranks hold)
+    state, once = agreed_state(optimizer)
+    plans, counts, device = _plan(optimizer, state, once, scan, snap_model, snap_opt, reset_state)
     agreed = agree.sum(counts, device) if device is not None else []
     # 2. the values a second moment is reset to: the largest finite one (one MAX over ranks)
-    values = _reset_values(optimizer, plans, agreed, agree, device)
+    values = _reset_values(state, once, plans, agreed, agree, device)
     # 3. write, each rank into its own shards
     poisoned = sum(f.nonfinite for f in scan.params)
     too_many = None if poisoned <= max_param_fraction * max(1, scan._param_numel) else (
@@ -216,8 +220,8 @@ def repair_optimizer_state(
     return RepairReport(scan, repaired, unrepaired, after, step)
 
 
-def _plan(optimizer: torch.optim.Optimizer, scan: StateScan, snap_model: Any, snap_opt: Any,
-          reset_state: bool) -> tuple[list[dict[str, Any]], list[torch.Tensor | int], torch.device | None]:
+def _plan(optimizer: torch.optim.Optimizer, state_map: Any, once: dict[int, int], scan: StateScan, snap_model: Any,
+          snap_opt: Any, reset_state: bool) -> tuple[list[dict[str, Any]], list[torch.Tensor | int], torch.device | None]:
     """Per poisoned parameter: its mask (the union over it and its same-shaped state), where each
     tensor would be repaired from, and the device counts the decisions need."""
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -231,7 +235,7 @@ def _plan(optimizer: torch.optim.Optimizer, scan: StateScan, snap_model: Any, sn
             p, _, raw = scan._refs[(name, None)]
             pl = local(p)
             device = device if device is not None else pl.device
-            state = [(path, v) for path, v in leaves(optimizer.state.get(p, {})) if _checkable(v)]
+            state = [(path, v) for path, v in leaves(state_map.get(p, {})) if _checkable(v) or id(v) in once]
             mask = ~torch.isfinite(pl)
             for _, v in state:
                 if _same_shape(v, p):
@@ -262,14 +266,14 @@ def _plan_tensor(path: tuple, v: torch.Tensor, mask: torch.Tensor | None, saved:
     else:
         src, snap_bad = None, int(want_snap)  # wanted but unusable: not from the snapshot
     entry = {"key": path_name(path), "path": path, "rule": rule, "v": v, "vl": vl, "kmask": kmask, "src": src,
-             "want_snap": want_snap, "at": len(counts),
-             "max": _finite_abs_max(vl, ~kmask) if rule == "second" else None}
-    # poisoned coordinates, finite values left outside them, snapshot unusable there
-    counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if rule == "second" else 0, snap_bad]
+             "at": len(counts), "max": _finite_abs_max(vl, ~kmask) if rule == "second" else None}
+    # poisoned coordinates, finite values left outside them, snapshot unusable there, snapshot
+    # wanted (a rank that holds none of the tensor wants nothing)
+    counts += [kmask.sum(), (torch.isfinite(vl) & ~kmask).sum() if rule == "second" else 0, snap_bad, int(want_snap)]
     return entry
 
 
-def _reset_values(optimizer: torch.optim.Optimizer, plans: list[dict[str, Any]], agreed: list[int],
+def _reset_values(state_map: Any, once: dict[int, int], plans: list[dict[str, Any]], agreed: list[int],
                   agree: "_Agree", device: torch.device | None) -> dict[str, float]:
     """The value each poisoned second moment is reset to (keyed by its entry's ``max_at`` or its
     key), agreed over ranks in one MAX; decides ``count`` and ``use_snap`` per entry as well."""
@@ -278,8 +282,8 @@ def _reset_values(optimizer: torch.optim.Optimizer, plans: list[dict[str, Any]],
     for plan in plans:
         for e in plan["keys"]:
             a = e["at"]
-            e["count"] = -(-agreed[a] // agree.holders(e["v"]))
-            e["use_snap"] = e["want_snap"] and agreed[a + 2] == 0
+            e["count"] = agreed[a] if id(e["v"]) in once else -(-agreed[a] // agree.holders(e["v"]))
+            e["use_snap"] = agreed[a + 3] > 0 and agreed[a + 2] == 0
             if e["count"] and e["max"] is not None and not e["use_snap"]:
                 if agreed[a + 1]:
                     e["max_at"] = len(maxima)
@@ -290,7 +294,7 @@ def _reset_values(optimizer: torch.optim.Optimizer, plans: list[dict[str, Any]],
         for path in fallback.values():
             wide = torch.float32 if device.type == "mps" else torch.float64
             best = [_finite_abs_max(local(at(st, path))).to(device, wide)
-                    for st in optimizer.state.values() if _checkable(at(st, path))]
+                    for st in state_map.values() if _checkable(at(st, path))]
             maxima.append(torch.stack(best).amax() if best else torch.full((), -math.inf, dtype=wide, device=device))
     got = agree.max(maxima, device) if device is not None else []
     values = {f"#{j}": v for j, v in enumerate(got[: len(got) - len(fallback)])}
@@ -321,7 +325,8 @@ def _write_state(plan: dict[str, Any], values: dict[str, float], repaired: list[
         if count == 0:
             continue
         if e["use_snap"]:
-            vl.copy_(torch.where(kmask, e["src"], vl))
+            if e["src"] is not None:  # (ZeRO-1: the rank that holds the tensor writes it)
+                vl.copy_(torch.where(kmask, e["src"], vl))
             repaired.append(RepairAction(name, k, count, "snapshot"))
         elif e["rule"] == "zero":
             vl.masked_fill_(kmask, 0)

@@ -40,6 +40,7 @@ from earlywarn.capture.grouping import _wrapper_prefix, user_name
 
 from ._state import is_dtensor, local
 from ._tree import leaves, path_name
+from .holders import agreed_state, state_view
 
 @dataclass(frozen=True)
 class Flag:
@@ -266,6 +267,9 @@ def scan_state(
     with global counts (``Flag.numel`` is the global size): every rank must call it together (see
     the module docstring).
     """
+    optimizer = state_view(optimizer) if optimizer is not None else None
+    # one layout on every rank (ZeRO-1: stand-ins for the state other ranks hold; recover/holders.py)
+    state, once = agreed_state(optimizer) if optimizer is not None else ({}, {})
     names = _param_names(model, optimizer)
     # reported as the user's model names them (a compiled model's `_orig_mod.`, Fabric's
     # `_forward_module.` left out); the state_dict's own name is kept for snapshot lookups
@@ -293,8 +297,8 @@ def scan_state(
             entries.append((name, None, p, p))
             param_numel += p.numel()
         if optimizer is not None:
-            for path, v in leaves(optimizer.state.get(p, {})):  # nested state too (heavyball)
-                if _checkable(v):
+            for path, v in leaves(state.get(p, {})):  # nested state too (heavyball)
+                if _checkable(v) or id(v) in once:
                     entries.append((name, path_name(path), p, v))
     if model is not None:
         for n, b in model.named_buffers(remove_duplicate=True):
@@ -322,7 +326,7 @@ def scan_state(
             for i, c in zip(suspect, _read(agree, [_counts(local(entries[i][3]), None) for i in suspect], entries)):
                 counts[i] = c
     for i, (_, _, _, t) in enumerate(entries):
-        if agree.world > 1 and i in counts:  # a replicated element was counted by each of its holders
+        if agree.world > 1 and i in counts and id(t) not in once:  # a replicated element was counted by each of its holders
             h = agree.holders(t)
             counts[i] = (-(-counts[i][0] // h), -(-counts[i][1] // h))
     flags, owned, refs, legit_masks = [], [], {}, {}
@@ -330,10 +334,11 @@ def scan_state(
         name = label.get(raw) or user_name(raw, prefix) or raw
         refs[(name, key)] = (p, t, raw)
         bad, own = counts.get(i, (0, 0))
+        numel = once.get(id(t), t.numel())
         if bad:
-            flags.append(Flag(name, key, bad, t.numel()))
+            flags.append(Flag(name, key, bad, numel))
         if own:
-            owned.append(Flag(name, key, own, t.numel()))
+            owned.append(Flag(name, key, own, numel))
         if isinstance(legit.get(i), torch.Tensor):
             legit_masks[(name, key)] = legit[i]
     return StateScan(flags, len(entries), refs, param_numel, owned, legit_masks)

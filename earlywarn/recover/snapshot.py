@@ -44,6 +44,7 @@ from ._state import (
 )
 from ._tree import at, leaves, same_structure
 from .frozen import frozen_refs, owned_bytes
+from .holders import state_view
 
 
 def capture_state(
@@ -63,6 +64,7 @@ def capture_state(
     flag, on the device, whether the optimizer's parameters and state are finite
     (``HostCopy.finite()``, read once the copy has landed: no host sync now). Under
     torch.distributed the flag is agreed over ranks in one all-reduce: call it on every rank."""
+    optimizer = state_view(optimizer)  # ZeRO-1: this rank's share of the state (recover/holders.py)
     model_sd = model.state_dict()
     live = {
         "step": int(step),
@@ -100,7 +102,7 @@ def restore_state(
     """Put a captured state back, in place. The data position is restored by the caller (it
     may need to move a live iterator)."""
     restore_model(model, state["model"])
-    restore_optimizer(optimizer, state["optimizer"])
+    restore_optimizer(state_view(optimizer), state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))
     if scaler is not None and state.get("scaler"):  # {} = saved from a disabled scaler

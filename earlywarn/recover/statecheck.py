@@ -28,6 +28,7 @@ import torch
 from earlywarn.capture.norms import NormSum
 
 from ._state import local
+from .holders import ZeroState, state_holders, state_view
 
 
 def _checked(t: torch.Tensor) -> bool:
@@ -44,11 +45,13 @@ def _state_tensors(tree: object, out: list[torch.Tensor]) -> None:
             _state_tensors(v, out)
 
 
-def _flat_values(state: Any) -> list[Any] | None:
+def _flat_values(states: list[Any]) -> list[Any] | None:
     """Every per-parameter state's values in one list, in C (``None`` when a per-parameter
-    state is not a dict)."""
+    state is not a dict); ``states``: the ``state`` of each holder."""
     try:
-        return list(chain.from_iterable(map(dict.values, state.values())))
+        if len(states) == 1:
+            return list(chain.from_iterable(map(dict.values, states[0].values())))
+        return list(chain.from_iterable(map(dict.values, chain.from_iterable(s.values() for s in states))))
     except TypeError:
         return None
 
@@ -59,14 +62,18 @@ def check_every(optimizer: torch.optim.Optimizer, every: int | None) -> int:
     guard sees it; any other may hide one (a sign-based update), so it is checked every step."""
     if every is not None:
         return every
-    return 10 if type(optimizer).__module__.startswith("torch.optim") else 1
+    view = state_view(optimizer)
+    stepper = view.local if isinstance(view, ZeroState) else optimizer  # ZeRO-1: what steps this rank's share
+    return 10 if type(stepper).__module__.startswith("torch.optim") else 1
 
 
 class StateCheck:
     """The per-step finiteness flag of one optimizer's state (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, retry_after: int = 25) -> None:
-        self.optimizer = optimizer
+        self.optimizer = state_view(optimizer)
+        # where the state lives: the optimizer, and any it wraps (timm's Lookahead: recover/holders.py)
+        self._holders = state_holders(self.optimizer)
         self.retry_after = retry_after
         self._failed_at: int | None = None  # a repair that left the state non-finite: not retried every step
         # The walk, planned: ids of the state's values when last walked, which of them are checked,
@@ -82,12 +89,14 @@ class StateCheck:
         place, and a kept list would then go stale): for flat per-parameter dicts -- every
         torch.optim optimizer -- that test is one pass in C over the values' ids; nested state
         (containers inside) is walked every time."""
-        values = _flat_values(self.optimizer.state)
+        states = [h.state for h in self._holders]
+        values = _flat_values(states)
         if values is not None and self._ids is not None and list(map(id, values)) == self._ids:
             return self._picked(values)
         out: list[torch.Tensor] = []
-        for st in self.optimizer.state.values():
-            _state_tensors(st, out)
+        for state in states:
+            for st in state.values():
+                _state_tensors(st, out)
         self._plan(values, out)
         return out
 

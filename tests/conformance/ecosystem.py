@@ -84,6 +84,27 @@ def optimizer_lib(name: str, fault: Fault, options: dict[str, Any], steps: int =
 
 
 # ------------------------------------------------------------------------------ timm
+def timm_optimizers() -> list[str]:
+    """Every optimizer timm's factory makes on a CPU without extras: not bitsandbytes' (``bnb*``)
+    or apex's (``fused*``), not AdaHessian (its loop backpropagates with ``create_graph``); and
+    its ``lookahead_`` wrapper around a few kinds (it keeps their state in the wrapped optimizer)."""
+    from timm.optim import list_optimizers
+
+    names = [n for n in list_optimizers() if not n.startswith(("bnb", "fused")) and n != "adahessian"]
+    return names + [f"lookahead_{n}" for n in ("adamw", "lamb", "sgd", "lion", "adan") if n in names]
+
+
+def _timm_lr(opt_name: str) -> float:
+    """A learning rate of the optimizer's family (sign updates small, SGD large, Adadelta's 1)."""
+    if "lion" in opt_name:
+        return 3e-4
+    if any(k in opt_name for k in ("sgd", "momentum", "nesterov", "lars", "larc")):
+        return 3e-2
+    if "muon" in opt_name:
+        return 2e-2
+    return 1.0 if "adadelta" in opt_name else 3e-3
+
+
 def timm_vit(opt_name: str, fault: Fault, options: dict[str, Any], steps: int = 32) -> CellResult:
     """A tiny ViT (timm's VisionTransformer from a config) with timm's optimizer factory."""
     import timm
@@ -92,8 +113,7 @@ def timm_vit(opt_name: str, fault: Fault, options: dict[str, Any], steps: int = 
     torch.manual_seed(0)
     model = timm.models.VisionTransformer(img_size=16, patch_size=4, num_classes=4, embed_dim=32, depth=2,
                                           num_heads=2, mlp_ratio=2.0)
-    lr = {"lamb": 3e-3, "adamp": 3e-3, "lion": 3e-4}[opt_name]
-    opt = create_optimizer_v2(model, opt_name, lr=lr, weight_decay=0.05)
+    opt = create_optimizer_v2(model, opt_name, lr=_timm_lr(opt_name), weight_decay=0.05)
     g = torch.Generator().manual_seed(7)
     teacher = torch.randn(3 * 16 * 16, 4, generator=g)
     data = []

@@ -60,8 +60,23 @@ def state_leaves(tree: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _states(opt: torch.optim.Optimizer) -> list[Any]:
+    """``opt.state`` and that of every optimizer it wraps (timm's Lookahead keeps the moments in
+    its base optimizer's ``state``, its own stays empty)."""
+    out, todo, seen = [], [opt], set()
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        out.append(o.state)
+        todo += [v for v in vars(o).values() if isinstance(v, torch.optim.Optimizer)]
+    return out
+
+
 def _floating_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-    found = [(k, v) for k, v in state_leaves(opt.state.get(p, {})) if v.is_floating_point() and v.numel() > 1]
+    found = [(k, v) for state in _states(opt) for k, v in state_leaves(state.get(p, {}))
+             if v.is_floating_point() and v.numel() > 1]
     for key in _STATE_PREFERENCE:
         for k, v in found:
             if k.rsplit(".", 1)[-1] == key:
@@ -85,7 +100,7 @@ def _plain_copy(x: Any) -> Any:
 
 def _clone_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[Any]]:
     params = [p.detach().clone() for p in model.parameters()]
-    return params, [_plain_copy(opt.state.get(p, {})) for p in model.parameters()]
+    return params, [[_plain_copy(state.get(p, {})) for state in _states(opt)] for p in model.parameters()]
 
 
 def _diff(a: Any, b: Any, where: str) -> str | None:
@@ -231,7 +246,7 @@ def nonfinite_tensors(model: nn.Module, opt: torch.optim.Optimizer,
         for n, p in model.named_parameters():
             if not bool(torch.isfinite(p).all()):
                 bad.append(n)
-            for k, v in state_leaves(opt.state.get(p, {})):
+            for k, v in (kv for state in _states(opt) for kv in state_leaves(state.get(p, {}))):
                 if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
                     bad.append(f"{n}[{k}]")
         for n, b in model.named_buffers():

@@ -44,6 +44,12 @@ def _needs(codebase: str) -> None:
         pytest.importorskip("transformers")
 
 
+try:
+    TIMM_OPTIMIZERS = eco.timm_optimizers()
+except ImportError:  # timm not installed: one cell that says so
+    TIMM_OPTIMIZERS = ["timm_not_installed"]
+
+
 def _run(table, codebase, fault, cell, tmp_path):
     cell(codebase, fault)
     _needs(codebase)
@@ -62,3 +68,18 @@ def test_ecosystem_loops(codebase, fault, cell, tmp_path):
 @pytest.mark.parametrize("codebase", sorted(SLOW))
 def test_ecosystem_frameworks(codebase, fault, cell, tmp_path):
     _run(SLOW, codebase, fault, cell, tmp_path)
+
+
+# Every optimizer timm's factory makes, beyond the three rows above: a run that would have trained
+# fine is left alone, and a poisoned moment of whatever kind each keeps (factored second moments,
+# Kron's preconditioners, Muon's momentum, MADGRAD's dual averages...) is repaired, not rewound.
+# (All five faults pass on every one of them; these two are the ones the optimizer's own state decides.)
+@pytest.mark.parametrize("fault", ["none", "poison_state"])
+@pytest.mark.parametrize("opt_name", TIMM_OPTIMIZERS)
+def test_every_timm_optimizer(opt_name, fault, tmp_path, monkeypatch):
+    pytest.importorskip("timm", reason="timm is not installed (scripts/setup.sh installs it)")
+    monkeypatch.chdir(tmp_path)
+    result = eco.timm_vit(opt_name, Fault(fault), quiet_options(tmp_path))
+    check_invariants(result)
+    if fault == "poison_state":  # repaired in place, progress kept: no rewind
+        assert result.counters["repaired_steps"] == 1 and result.counters["rewinds"] == 0, result.counters
