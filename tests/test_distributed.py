@@ -424,6 +424,30 @@ def scenario_dcp(rank: int, tmp: Path) -> dict[str, Any]:
             "data": loaded["state"]["data"], "step": loaded["step"], "sharded": sharded}
 
 
+def train_through_a_nan_weight(ew: Any, model: nn.Module, opt: Any, loader: Any, rank: int,
+                               poison: Callable[[], None], seen: Callable[[int], None]) -> tuple[list, list]:
+    """Two epochs of ``loader`` with the loss reported; before step 6, rank 1 runs ``poison()``
+    (its copy or shard of a weight turns NaN); ``seen(step)`` after every step. Returns the loader's
+    position and the collectives of each ``opt.step()``."""
+    positions, collectives, step = [], [], 0
+    for _epoch in range(2):
+        for x, y in loader:
+            if step == 6 and rank == 1:
+                with torch.no_grad():
+                    poison()
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            ew.report_loss(loss)
+            with Collectives() as c:
+                opt.step()
+            collectives.append(c.ops)
+            seen(step)
+            positions.append(loader.position.to_dict())
+            step += 1
+    return positions, collectives
+
+
 def scenario_fsdp_rewind(rank: int, tmp: Path) -> dict[str, Any]:
     """FSDP2 with the default RecoveryConfig: rank 1's shard of a weight turns NaN (loss
     reported), every rank rewinds its shards to the same in-memory snapshot (step 0)."""
@@ -435,25 +459,20 @@ def scenario_fsdp_rewind(rank: int, tmp: Path) -> dict[str, Any]:
     model = fsdp_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ew = earlywarn.watch(model, opt, loader=loader, sinks=[], recovery=recovery_in(tmp, rank))
-    positions, step, snap_state, restored, snap_digest, restored_digest, collectives = [], 0, None, None, None, None, []
-    for _epoch in range(2):
-        for x, y in loader:
-            if step == 6 and rank == 1:
-                with torch.no_grad():  # a NaN in rank 1's shard of a weight (a NaN batch alone is one skip)
-                    model.hidden.weight._local_tensor[0, 0] = float("nan")
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            ew.report_loss(loss)
-            with Collectives() as c:
-                opt.step()
-            collectives.append(c.ops)
-            if step == 0:  # the default snapshot: the state after the first step
-                snap_state, snap_digest = local_state(model, opt), full_digest(model)
-            if step == 6:
-                restored, restored_digest = same(snap_state, local_state(model, opt)), full_digest(model)
-            positions.append(loader.position.to_dict())
-            step += 1
+    kept: dict[str, Any] = {}
+
+    def seen(step: int) -> None:
+        if step == 0:  # the default snapshot: the state after the first step
+            kept["snap_state"], kept["snap_digest"] = local_state(model, opt), full_digest(model)
+        if step == 6:
+            kept["restored"] = same(kept["snap_state"], local_state(model, opt))
+            kept["restored_digest"] = full_digest(model)
+
+    def poison() -> None:  # a NaN in rank 1's shard of a weight (a NaN batch alone is one skip)
+        model.hidden.weight._local_tensor[0, 0] = float("nan")
+
+    positions, collectives = train_through_a_nan_weight(ew, model, opt, loader, rank, poison, seen)
+    restored, snap_digest, restored_digest = kept["restored"], kept["snap_digest"], kept["restored_digest"]
     rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
     out = {"positions": positions, "events": events(ew), "rewinds": [e.step for e in rewinds],
            "rewind_messages": [e.message for e in rewinds], "restored": restored,
@@ -539,25 +558,19 @@ def scenario_zero_rewind(rank: int, tmp: Path) -> dict[str, Any]:
     loader = sharded_loader(rank)
     ddp, zero = zero_mlp()
     ew = earlywarn.watch(ddp, zero, loader=loader, sinks=[], recovery=recovery_in(tmp, rank))
-    positions, step, snap, restored, collectives = [], 0, None, None, []
-    for _epoch in range(2):
-        for x, y in loader:
-            if step == 6 and rank == 1:
-                with torch.no_grad():
-                    ddp.module.hidden.weight[0, 0] = float("nan")
-            zero.zero_grad()
-            loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            ew.report_loss(loss)
-            with Collectives() as c:
-                zero.step()
-            collectives.append(sorted(set(c.ops)))
-            if step == 0:
-                snap = (zero_share(zero), digest(list(ddp.module.parameters())))
-            if step == 6:
-                restored = (same(snap[0], zero_share(zero)), digest(list(ddp.module.parameters())))
-            positions.append(loader.position.to_dict())
-            step += 1
+    kept: dict[str, Any] = {}
+
+    def seen(step: int) -> None:
+        if step == 0:
+            kept["snap"] = (zero_share(zero), digest(list(ddp.module.parameters())))
+        if step == 6:
+            kept["restored"] = (same(kept["snap"][0], zero_share(zero)), digest(list(ddp.module.parameters())))
+
+    def poison() -> None:
+        ddp.module.hidden.weight[0, 0] = float("nan")
+
+    positions, collectives = train_through_a_nan_weight(ew, ddp, zero, loader, rank, poison, seen)
+    snap, restored = kept["snap"], kept["restored"]
     rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
     out = {"positions": positions, "events": events(ew), "rewinds": [e.step for e in rewinds],
            "rewind_messages": [e.message for e in rewinds], "restored": restored, "snap_digest": snap[1],
@@ -926,12 +939,18 @@ class _Stateful:
         self.state = state
 
 
-def test_fsdp2_rewind_on_both_ranks_restores_the_same_snapshot(results):
-    r0, r1 = get(results, "fsdp_rewind")
+def one_agreed_rewind(r0: dict[str, Any], r1: dict[str, Any]) -> None:
+    """Both ranks rewound at step 6, with the same events and messages (their own samples aside),
+    to the default ring's snapshot of step 0."""
     assert r0["rewinds"] == r1["rewinds"] == [6], (r0["events"], r0["rewind_messages"])
     assert r0["events"] == r1["events"]
     assert without_samples(r0["rewind_messages"]) == without_samples(r1["rewind_messages"])
-    assert "memory:0" in r0["rewind_messages"][0]  # the default ring's snapshot of step 0
+    assert "memory:0" in r0["rewind_messages"][0]
+
+
+def test_fsdp2_rewind_on_both_ranks_restores_the_same_snapshot(results):
+    r0, r1 = get(results, "fsdp_rewind")
+    one_agreed_rewind(r0, r1)
     # every rank put its own shards back bit for bit: the whole model is the snapshot's again
     assert r0["restored"] and r1["restored"]
     assert r0["restored_digest"] == r1["restored_digest"] == r0["snap_digest"] == r1["snap_digest"]
@@ -945,16 +964,24 @@ def test_fsdp2_rewind_on_both_ranks_restores_the_same_snapshot(results):
         assert {op for ops in r["collectives"] for op in ops} == {"c10d.allreduce_.default"}
 
 
-def test_fsdp2_state_poisoned_in_one_shard_is_repaired_identically_on_both_ranks(results):
-    r0, r1 = get(results, "fsdp_repair")
+def one_agreed_repair(r0: dict[str, Any], r1: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    """Both ranks saw the same events and the same one repair at step 4, no rewind: the one
+    poisoned coordinate of `hidden.weight`'s second moment, counted once over the whole tensor.
+    Returns the repair's actions by (key, action)."""
     assert r0["events"] == r1["events"] and r0["reports"] == r1["reports"]
-    assert r0["rewinds"] == r1["rewinds"] == []  # a rank-local scan would have made rank 0 rewind
+    assert r0["rewinds"] == r1["rewinds"] == []  # a rank-local scan would have made one rank rewind
     assert r0["counters"]["repaired_steps"] == r1["counters"]["repaired_steps"] == 1
     (report,) = r0["reports"]
     assert report["found"]["flags"] == [{"name": "hidden.weight", "key": "exp_avg_sq", "nonfinite": 1, "numel": 256}]
     assert report["ok"] and report["step"] == 4
     done = {(a["key"], a["action"]): a for a in report["repaired"]}
     assert set(done) == {("exp_avg", "zero"), ("exp_avg_sq", "finite_max")}
+    return done
+
+
+def test_fsdp2_state_poisoned_in_one_shard_is_repaired_identically_on_both_ranks(results):
+    r0, r1 = get(results, "fsdp_repair")
+    done = one_agreed_repair(r0, r1)
     # the largest finite value of the whole tensor, not of rank 1's shard
     assert r1["own_max"] < r0["own_max"] == 5.0
     assert done[("exp_avg_sq", "finite_max")]["value"] == 5.0
@@ -999,10 +1026,7 @@ def test_default_writer_keeps_one_directory_per_rank_for_sharded_state(results):
 
 def test_zero1_rewind_on_both_ranks_restores_each_share_of_the_state(results):
     r0, r1 = get(results, "zero_rewind")
-    assert r0["rewinds"] == r1["rewinds"] == [6], (r0["events"], r0["rewind_messages"])
-    assert r0["events"] == r1["events"]
-    assert without_samples(r0["rewind_messages"]) == without_samples(r1["rewind_messages"])
-    assert "memory:0" in r0["rewind_messages"][0]  # the default ring's snapshot of step 0
+    one_agreed_rewind(r0, r1)
     # every rank put its own share of the state back bit for bit, and the one model with it
     assert r0["restored"][0] and r1["restored"][0]
     assert r0["restored"][1] == r1["restored"][1] == r0["snap_digest"] == r1["snap_digest"]
@@ -1021,15 +1045,7 @@ def test_zero1_rewind_on_both_ranks_restores_each_share_of_the_state(results):
 def test_zero1_state_poisoned_on_its_one_holder_is_repaired_with_one_report_on_every_rank(results):
     r0, r1 = get(results, "zero_repair")
     holder = (r0, r1)[r0["holder"]]
-    assert r0["events"] == r1["events"] and r0["reports"] == r1["reports"]
-    assert r0["rewinds"] == r1["rewinds"] == []
-    assert r0["counters"]["repaired_steps"] == r1["counters"]["repaired_steps"] == 1
-    (report,) = r0["reports"]
-    # the whole tensor's size, counted once (one rank holds it), on both ranks
-    assert report["found"]["flags"] == [{"name": "hidden.weight", "key": "exp_avg_sq", "nonfinite": 1, "numel": 256}]
-    assert report["ok"] and report["step"] == 4
-    done = {(a["key"], a["action"]): a for a in report["repaired"]}
-    assert set(done) == {("exp_avg", "zero"), ("exp_avg_sq", "finite_max")}
+    done = one_agreed_repair(r0, r1)  # one rank holds the tensor: its size counted once on both
     assert done[("exp_avg_sq", "finite_max")]["value"] == holder["max"]
     assert holder["v00"] == holder["max"] and holder["m00"] == 0.0
     assert r0["params_untouched"] and r1["params_untouched"]  # the NaN step was skipped
