@@ -655,6 +655,21 @@ def scenario_zero_resume(rank: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def scenario_zero_overlap_refused(rank: int, tmp: Path) -> dict[str, Any]:
+    """ZeRO-1 stepped inside DDP's communication hook (overlap_with_ddp=True): no step to guard."""
+    import earlywarn
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(MLP().double())
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2, overlap_with_ddp=True)
+    try:
+        earlywarn.watch(ddp, zero, sinks=[], recovery=recovery_in(tmp, rank))
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
 def scenario_dcp_manager(rank: int, tmp: Path) -> dict[str, Any]:
     """CheckpointManager + dcp_checkpoint_fns on both ranks: one shared checkpoint per step,
     committed by rank 0; then the same through the watcher, with a rewind from disk."""
@@ -751,6 +766,7 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "zero_rewind": scenario_zero_rewind,
     "zero_repair": scenario_zero_repair,
     "zero_resume": scenario_zero_resume,
+    "zero_overlap_refused": scenario_zero_overlap_refused,
 }
 
 
@@ -1060,3 +1076,8 @@ def test_zero1_checkpoint_resumes_each_ranks_share_exactly(results):
     assert r0["wrapper_state"] == r1["wrapper_state"] == 0  # no second copy of the share
     assert r0["lr"] == r1["lr"] == [1e-2]
     assert r0["finite"] and r1["finite"]
+
+
+def test_zero1_stepped_inside_ddps_hook_is_refused_with_the_reason(results):
+    for r in get(results, "zero_overlap_refused"):
+        assert r["refused"] and "overlap_with_ddp=True" in r["refused"] and "overlap_with_ddp=False" in r["refused"]

@@ -469,6 +469,12 @@ def _check_arguments(optimizer: torch.optim.Optimizer, scaler: Any, scheduler: A
             "inside the line search is applied before any guard could see it. Train LBFGS "
             "without earlywarn (its own tolerance checks stop on non-finite losses), or use a "
             "first-order optimizer")
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and getattr(optimizer, "_overlap_with_ddp", False):
+        raise ValueError(
+            "earlywarn cannot guard a ZeroRedundancyOptimizer built with overlap_with_ddp=True: DDP's "
+            "communication hook steps each rank's share inside backward, and the loop calls no step(), so "
+            "there is no single step to check or skip. Build it with overlap_with_ddp=False (the default) "
+            "to use earlywarn")
     for what, obj in (("scheduler", scheduler), *((f"extra_state[{k!r}]", v) for k, v in (extra_state or {}).items())):
         if obj is not None and not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(
