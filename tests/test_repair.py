@@ -392,3 +392,41 @@ def test_every_repair_counts_once_whichever_check_found_the_poison(tmp_path):
     assert ew.counters["repaired_steps"] == 2 and ew.counters["rewinds"] == 0
     assert ew.recovery.scan().clean
     ew.close()
+
+
+class _Forwarding(torch.optim.Optimizer):
+    """The pattern of accelerate's AcceleratedOptimizer: the wrapped optimizer's groups and state
+    handed out as its own."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer = inner
+
+    state = property(lambda self: self.optimizer.state)
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_optimizer_state_is_read_where_it_lives():
+    # timm's Lookahead keeps AdamW's moments in the wrapped optimizer (its own `state` stays
+    # empty): both are holders. A wrapper that hands out the wrapped one's `state` is one holder,
+    # and one that wraps a Lookahead still reaches the moments.
+    pytest.importorskip("timm")
+    from timm.optim import create_optimizer_v2
+
+    from earlywarn.recover.holders import state_holders, state_of
+
+    model = make_model()
+    plain = torch.optim.AdamW(model.parameters())
+    lookahead = create_optimizer_v2(model, "lookahead_adamw")
+    assert state_holders(plain) == [plain] and state_holders(_Forwarding(plain))[1:] == []
+    assert state_holders(lookahead) == [lookahead, lookahead._base_optimizer]
+    outer = _Forwarding(lookahead)
+    assert state_holders(outer)[1:] == [lookahead._base_optimizer]
+    x, y = make_data()
+    torch.nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    outer.step()
+    assert not lookahead.state and set(state_of(outer)) == set(model.parameters())
+    assert set(state_of(outer)[model[0].weight]) == {"step", "exp_avg", "exp_avg_sq"}

@@ -51,15 +51,20 @@ def state_view(optimizer: Any) -> Any:
 
 def state_holders(optimizer: Any) -> list[Any]:
     """``state_view(optimizer)`` and every optimizer it wraps that shares its parameter groups
-    (a wrapper's wrapped ones too), each once: where the per-parameter state may live."""
+    (a wrapper's wrapped ones too) and keeps a ``state`` of its own, each once: where the
+    per-parameter state may live. (accelerate's ``AcceleratedOptimizer`` hands out the wrapped
+    one's ``state`` as its own: one holder.)"""
     found = [state_view(optimizer)]
     if isinstance(found[0], ZeroState):
         return found
-    for holder in found:  # grows while it is walked: wrappers of wrappers
-        for v in getattr(holder, "__dict__", {}).values():
-            if (isinstance(v, torch.optim.Optimizer) and v.param_groups is holder.param_groups
-                    and all(v is not h for h in found)):
-                found.append(v)
+    walked = list(found)
+    for o in walked:  # grows while it is walked: wrappers of wrappers
+        for v in getattr(o, "__dict__", {}).values():
+            if (isinstance(v, torch.optim.Optimizer) and v.param_groups is o.param_groups
+                    and all(v is not w for w in walked)):
+                walked.append(v)
+                if all(v.state is not h.state for h in found):
+                    found.append(v)
     return found
 
 
