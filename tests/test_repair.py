@@ -430,3 +430,22 @@ def test_optimizer_state_is_read_where_it_lives():
     outer.step()
     assert not lookahead.state and set(state_of(outer)) == set(model.parameters())
     assert set(state_of(outer)[model[0].weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_zero1_view_copies_and_never_keeps_its_optimizer_alive():
+    # The view earlywarn keeps of a ZeroRedundancyOptimizer lives beside it: it deep-copies (a
+    # forwarding __getattr__ must not recurse before __init__ ran) and lets the optimizer go.
+    import copy
+    import gc
+    import weakref
+
+    from earlywarn.recover.holders import ZeroState
+
+    opt = torch.optim.AdamW(make_model().parameters())
+    view = ZeroState(opt)
+    assert view.zero is opt and view.param_groups is opt.param_groups
+    assert copy.deepcopy(view).zero is opt
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and view.zero is None

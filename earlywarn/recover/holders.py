@@ -27,6 +27,7 @@ tensors for the state another rank holds).
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -34,7 +35,9 @@ import torch
 from ._tree import leaves
 
 _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
-_VIEW = "_earlywarn_state_view"
+# one view per optimizer (hooks and copy plans keyed by it stay put), kept beside it, not in it:
+# the user's optimizer pickles and deep-copies as it did
+_VIEWS: "weakref.WeakKeyDictionary[Any, ZeroState]" = weakref.WeakKeyDictionary()
 
 
 def state_view(optimizer: Any) -> Any:
@@ -43,9 +46,9 @@ def state_view(optimizer: Any) -> Any:
     zero = sys.modules.get(_ZERO_MODULE)  # not imported: no optimizer can be one
     if zero is None or not isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         return optimizer
-    view = optimizer.__dict__.get(_VIEW)
-    if view is None:  # one view per optimizer: hooks and copy plans keyed by it stay put
-        view = optimizer.__dict__[_VIEW] = ZeroState(optimizer)
+    view = _VIEWS.get(optimizer)
+    if view is None:
+        view = _VIEWS[optimizer] = ZeroState(optimizer)
     return view
 
 
@@ -112,7 +115,12 @@ class ZeroState:
     Anything else (``zero_grad``, hooks, ``defaults``) is the wrapper's."""
 
     def __init__(self, zero: torch.optim.Optimizer) -> None:
-        self.zero = zero
+        self._zero = weakref.ref(zero)  # the view lives beside the optimizer, never keeps it alive
+
+    @property
+    def zero(self) -> Any:
+        """The ZeroRedundancyOptimizer itself."""
+        return self._zero()
 
     @property
     def local(self) -> torch.optim.Optimizer:
@@ -130,6 +138,8 @@ class ZeroState:
         return self.local.state  # keyed by parameter: this rank's share only
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_zero":  # copy / pickle probes, before __init__ ran
+            raise AttributeError(name)
         return getattr(self.zero, name)
 
     def _index(self) -> dict[int, int]:
