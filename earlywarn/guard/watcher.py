@@ -44,7 +44,7 @@ from earlywarn.metrics import MetricsConfig
 from earlywarn.policy import Action, Policy, PolicyConfig
 from earlywarn.recover import Recovery, RecoveryConfig
 from earlywarn.recover.ema import averaged_copies_warning
-from earlywarn.recover.holders import has_state
+from earlywarn.recover.holders import ZeroState, has_state, state_view
 from earlywarn.recover.statecheck import check_every
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
@@ -469,7 +469,7 @@ def _check_arguments(optimizer: torch.optim.Optimizer, scaler: Any, scheduler: A
             "inside the line search is applied before any guard could see it. Train LBFGS "
             "without earlywarn (its own tolerance checks stop on non-finite losses), or use a "
             "first-order optimizer")
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and getattr(optimizer, "_overlap_with_ddp", False):
+    if isinstance(state_view(optimizer), ZeroState) and getattr(optimizer, "_overlap_with_ddp", False):
         raise ValueError(
             "earlywarn cannot guard a ZeroRedundancyOptimizer built with overlap_with_ddp=True: DDP's "
             "communication hook steps each rank's share inside backward, and the loop calls no step(), so "

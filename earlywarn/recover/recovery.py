@@ -48,7 +48,6 @@ from .config import SINCE_SNAPSHOT, RecoveryConfig
 from .data import BatchFingerprints, BatchRef, DataPositionAdapter, _Unrestorable, data_position_adapter
 from .errors import CheckpointError, DataPositionError
 from .history import BatchHistory
-from .holders import state_view
 from .quarantine import Quarantine, quarantine_path
 from .records import Blame, QuarantineRecord, RewindReport, _blame_dict, _name_batch
 from .lrceiling import LrCeiling
@@ -95,7 +94,6 @@ class Recovery:
         run_step: Callable[[int], int] = int,
     ) -> None:
         self.config = cfg = config if config is not None else RecoveryConfig()
-        optimizer = state_view(optimizer)  # ZeRO-1: its state as one optimizer's (recover/holders.py)
         self.live = _live_state(model, optimizer, scheduler, scaler, extra_state, keep_on_rewind, late_state)
         self.emit = emit
         self.run_step = run_step

@@ -49,7 +49,7 @@ import torch
 
 from ._state import local
 from ._tree import at, leaf_name, leaves, path_name
-from .holders import agreed_state, state_view
+from .holders import agreed_state
 from .scan import (  # noqa: F401 - re-exported: the scan's types are part of this module's API
     FiniteBaseline,
     Flag,
@@ -194,7 +194,6 @@ def repair_optimizer_state(
         baseline: the :class:`FiniteBaseline` the scan used (the verifying scan uses it too).
     """
     snap_model, snap_opt = _snapshot_trees(snapshot)
-    optimizer = state_view(optimizer)
     agree = _Agree()
     # 1. plan on the local shards; every number a decision depends on goes into `counts`, agreed
     # by one SUM over ranks (parameters in model order, the state in one layout: every rank

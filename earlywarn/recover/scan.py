@@ -40,7 +40,7 @@ from earlywarn.capture.grouping import _wrapper_prefix, user_name
 
 from ._state import is_dtensor, local
 from ._tree import leaves, path_name
-from .holders import agreed_state, state_view
+from .holders import agreed_state
 
 @dataclass(frozen=True)
 class Flag:
@@ -267,7 +267,6 @@ def scan_state(
     with global counts (``Flag.numel`` is the global size): every rank must call it together (see
     the module docstring).
     """
-    optimizer = state_view(optimizer) if optimizer is not None else None
     # one layout on every rank (ZeRO-1: stand-ins for the state other ranks hold; recover/holders.py)
     state, once = agreed_state(optimizer) if optimizer is not None else ({}, {})
     names = _param_names(model, optimizer)

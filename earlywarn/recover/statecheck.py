@@ -49,8 +49,6 @@ def _flat_values(states: list[Any]) -> list[Any] | None:
     """Every per-parameter state's values in one list, in C (``None`` when a per-parameter
     state is not a dict); ``states``: the ``state`` of each holder."""
     try:
-        if len(states) == 1:
-            return list(chain.from_iterable(map(dict.values, states[0].values())))
         return list(chain.from_iterable(map(dict.values, chain.from_iterable(s.values() for s in states))))
     except TypeError:
         return None
@@ -71,9 +69,8 @@ class StateCheck:
     """The per-step finiteness flag of one optimizer's state (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, retry_after: int = 25) -> None:
-        self.optimizer = state_view(optimizer)
-        # where the state lives: the optimizer, and any it wraps (timm's Lookahead: recover/holders.py)
-        self._holders = state_holders(self.optimizer)
+        # where the state lives: the optimizer, any it wraps (timm's Lookahead), ZeRO-1's share (recover/holders.py)
+        self._holders = state_holders(optimizer)
         self.retry_after = retry_after
         self._failed_at: int | None = None  # a repair that left the state non-finite: not retried every step
         # The walk, planned: ids of the state's values when last walked, which of them are checked,
