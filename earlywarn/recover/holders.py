@@ -52,6 +52,13 @@ def state_view(optimizer: Any) -> Any:
     return view
 
 
+def stepper(optimizer: Any) -> Any:
+    """The optimizer that steps this rank's parameters: ZeRO-1's local one over its share, else
+    ``optimizer`` itself (its kind says what state a step makes, and which values it checks)."""
+    view = state_view(optimizer)
+    return view.local if isinstance(view, ZeroState) else optimizer
+
+
 def state_holders(optimizer: Any) -> list[Any]:
     """``state_view(optimizer)`` and every optimizer it wraps that shares its parameter groups
     (a wrapper's wrapped ones too) and keeps a ``state`` of its own, each once: where the
@@ -107,6 +114,7 @@ def agreed_state(optimizer: Any) -> tuple[Any, dict[int, int]]:
 
 
 def _checkable(t: Any) -> bool:
+    # what a scan lists (scan.py, repair.py): ZeRO-1's stand-ins must list the same entries
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 

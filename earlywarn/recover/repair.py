@@ -49,13 +49,12 @@ import torch
 
 from ._state import local
 from ._tree import at, leaf_name, leaves, path_name
-from .holders import agreed_state
+from .holders import _checkable, agreed_state
 from .scan import (  # noqa: F401 - re-exported: the scan's types are part of this module's API
     FiniteBaseline,
     Flag,
     StateScan,
     _Agree,
-    _checkable,
     _finite_abs_max,
     _same_shape,
     scan_state,

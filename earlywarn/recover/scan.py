@@ -40,7 +40,7 @@ from earlywarn.capture.grouping import _wrapper_prefix, user_name
 
 from ._state import is_dtensor, local
 from ._tree import leaves, path_name
-from .holders import agreed_state
+from .holders import _checkable, agreed_state
 
 @dataclass(frozen=True)
 class Flag:
@@ -193,10 +193,6 @@ def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer
             for pi, p in enumerate(g["params"]):
                 names.setdefault(id(p), f"param_groups[{gi}].params[{pi}]")
     return names
-
-
-def _checkable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 
 def _same_shape(v: torch.Tensor, p: torch.Tensor) -> bool:
