@@ -13,7 +13,7 @@ import torch
 from ..events import Level
 from ._state import local, state_bytes
 from .frozen import frozen_bytes, frozen_refs
-from .holders import has_state, state_view
+from .holders import has_state, state_view, stepper
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -80,12 +80,12 @@ def estimate_snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     """Bytes of one snapshot: the model's state_dict plus the optimizer's state (measured when
     it exists; estimated from the optimizer's kind before its first step) plus the RNG states."""
     # frozen parameters are referenced, not copied (frozen.py): a LoRA base costs nothing here
-    optimizer = state_view(optimizer)  # ZeRO-1: this rank's share
     model_bytes = state_bytes(model.state_dict()) - frozen_bytes(model) + torch.get_rng_state().numel()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         model_bytes += sum(s.numel() for s in torch.cuda.get_rng_state_all())
     if has_state(optimizer):
-        return model_bytes + state_bytes(optimizer.state_dict().get("state", {}))
+        return model_bytes + state_bytes(state_view(optimizer).state_dict().get("state", {}))  # ZeRO-1: this rank's share
+    optimizer = stepper(optimizer)  # ZeRO-1: the local optimizer, over this rank's share of the parameters
     params = [p for g in optimizer.param_groups for p in g["params"]]
     pbytes = sum(local(p).numel() * p.element_size() for p in params)
     name = type(optimizer).__name__

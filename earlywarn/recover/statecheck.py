@@ -28,7 +28,7 @@ import torch
 from earlywarn.capture.norms import NormSum
 
 from ._state import local
-from .holders import ZeroState, state_holders, state_view
+from .holders import state_holders, stepper
 
 
 def _checked(t: torch.Tensor) -> bool:
@@ -60,9 +60,7 @@ def check_every(optimizer: torch.optim.Optimizer, every: int | None) -> int:
     guard sees it; any other may hide one (a sign-based update), so it is checked every step."""
     if every is not None:
         return every
-    view = state_view(optimizer)
-    stepper = view.local if isinstance(view, ZeroState) else optimizer  # ZeRO-1: what steps this rank's share
-    return 10 if type(stepper).__module__.startswith("torch.optim") else 1
+    return 10 if type(stepper(optimizer)).__module__.startswith("torch.optim") else 1  # ZeRO-1: its local one
 
 
 class StateCheck:
