@@ -16,7 +16,10 @@ exact norms up front (``GradStats(exact=True)``: async mode, where that rare pat
 Where the gradients live decides where the vector lives: on a CUDA device whenever any gradient
 is on CUDA (a model with CPU-offloaded parts included), and copies go ``non_blocking`` only
 toward CUDA (from pinned memory): a non-blocking copy *to* the CPU returns before the data has
-landed, and reading it at once is a race.
+landed, and reading it at once is a race. When the vector lives on the CPU there is no device to
+keep busy, so the few dozen numbers after the norm pass are combined in numpy: a small torch op
+costs ~10-40 us there on the caches a backward pass leaves (its dispatch touches code a step has
+evicted), a numpy call a few; the same float64 operations in the same order, the same bits.
 
 Sharded gradients (FSDP2 ``fully_shard``, tensor parallel: DTensors) are read through their
 local shards -- a norm of the DTensor itself would issue one collective per tensor -- and each
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from earlywarn.capture.grouping import LayerMap
@@ -111,6 +115,11 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
     return torch.float32
 
 
+def _float64(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float64 array (a view when they are float64 already)."""
+    return (t if t.dtype == torch.float64 else t.double()).numpy()
+
+
 def _layout(grad: torch.Tensor) -> tuple:
     """What a plan needs of a gradient: its group ``(device, dtype, sparse)``, whether it is
     strided, its local shape."""
@@ -129,6 +138,12 @@ class _Group:
     sparse: bool
     members: list[int]  # positions in _Plan.present
     plan: NormPlan | None = None  # dense groups: how their norms are taken (capture/norms.py)
+    acc: torch.dtype | None = None  # the norms' accumulation dtype (_acc_dtype), and when exact
+    acc_exact: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        self.acc = _acc_dtype(self.device, self.dtype, False)
+        self.acc_exact = _acc_dtype(self.device, self.dtype, True)
 
 
 class _Plan:
@@ -183,6 +198,8 @@ class GradStats:
         # per gradient; what a pass finds changed is read anew (``_planned``)
         self._layouts: list[tuple | None] = [None] * len(layer_map.params)
         self._device = gather_device([_local(p).device for p in layer_map.params])
+        self._dtype = stat_dtype(self._device)
+        self._host = self._device.type == "cpu"  # the per-layer sums are taken in numpy (module note)
         self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
@@ -247,36 +264,60 @@ class GradStats:
             plan.weights = to_device(w, self._device)
         return plan.weights
 
-    def _per_layer(self, per_tensor: torch.Tensor, *, as_present: bool = False) -> torch.Tensor:
+    def _per_layer(self, per_tensor: "torch.Tensor | np.ndarray", *, as_present: bool = False) -> torch.Tensor:
         """Per-tensor values -> per-layer sums, in a fixed order on every run and rank.
         ``as_present``: the values come in the parameters' order, not the norm plan's.
 
-        On the CPU one ``index_add_`` (a sequential loop there: a fixed order). Elsewhere a gather
-        into a (layers x widest layer) table padded with zeros, then row sums: ``index_add_``
-        uses atomics on CUDA, whose order -- and so the last bits -- can differ between runs."""
-        plan = self._plan
-        index = plan.index_present if as_present else plan.index
-        if index is None:
-            layer_of, present = self.layer_map.layer_of, plan.present
-            cols = range(len(present)) if as_present else plan.order()
-            if self._device.type == "cpu":
-                index = torch.tensor([layer_of[present[pos]] for pos in cols], dtype=torch.long)
-            else:
-                rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
-                for col, pos in enumerate(cols):
-                    rows[layer_of[present[pos]]].append(col)
-                pad = len(present)  # the appended zero
-                width = max(1, max(len(r) for r in rows))
-                index = to_device(torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long),
-                                  self._device)
-            if as_present:
-                plan.index_present = index
-            else:
-                plan.index = index
-        if index.dim() == 1:
-            return per_tensor.new_zeros(self.layer_map.num_layers).index_add_(0, index, per_tensor)
+        On the CPU one ``np.bincount`` of float64 values (a sequential loop: a fixed order).
+        Elsewhere a gather into a (layers x widest layer) table padded with zeros, then row sums:
+        ``index_add_`` uses atomics on CUDA, whose order -- and so the last bits -- can differ
+        between runs."""
+        index = self._layer_index(as_present)
+        if self._host:
+            values = per_tensor if isinstance(per_tensor, np.ndarray) else _float64(per_tensor)
+            return torch.from_numpy(np.bincount(index, weights=values, minlength=self.layer_map.num_layers))
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
         return padded[index].sum(dim=1)
+
+    def _layer_index(self, as_present: bool) -> "np.ndarray | torch.Tensor":
+        """Each per-tensor value's layer (the host's ``bincount`` index), or the device's padded
+        (layers x widest layer) table of value positions; made once per plan."""
+        plan = self._plan
+        index = plan.index_present if as_present else plan.index
+        if index is not None:
+            return index
+        layer_of, present = self.layer_map.layer_of, plan.present
+        cols = range(len(present)) if as_present else plan.order()
+        if self._host:
+            index = np.array([layer_of[present[pos]] for pos in cols], dtype=np.intp)
+        else:
+            rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
+            for col, pos in enumerate(cols):
+                rows[layer_of[present[pos]]].append(col)
+            pad = len(present)  # the appended zero
+            width = max(1, max(len(r) for r in rows))
+            index = to_device(torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long),
+                              self._device)
+        if as_present:
+            plan.index_present = index
+        else:
+            plan.index = index
+        return index
+
+    def _host_squares(self, per_tensor: torch.Tensor, inv_scale: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> np.ndarray:
+        """The CPU's ``(per_tensor * inv_scale) ** 2 * weight``, in float64 and in numpy (module note)."""
+        if per_tensor.requires_grad:  # gradients of a backward(create_graph=True)
+            per_tensor = per_tensor.detach()
+        x = per_tensor.numpy() if per_tensor.dtype in (torch.float32, torch.float64) else _float64(per_tensor)
+        if inv_scale is None:
+            x = np.square(x, dtype=np.float64)  # each value cast to float64 (exact), then squared
+        else:
+            x = np.multiply(x, float(inv_scale), dtype=np.float64)
+            np.square(x, out=x)
+        if weight is not None:
+            x *= weight.numpy()
+        return x
 
     def _shared(self, dgrads: Any, shared: "tuple[list[int], list[torch.Tensor], list[int]]") -> torch.Tensor | None:
         """This step's per-tensor norms from the loop's clip (its own norm pass, before it scaled
@@ -296,7 +337,8 @@ class GradStats:
             norms, versions = [norms[i] for i in idx], [versions[i] for i in idx]
         if list(map(_VERSION, dgrads)) != versions:
             return None  # a gradient written after the clip (a fault injected, an edit): read it anew
-        return to_device(torch.stack(norms), self._device, stat_dtype(self._device))
+        stacked = torch.stack(norms)
+        return stacked if self._host else to_device(stacked, self._device, self._dtype)
 
     def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None,
                        shared: "tuple[list[int], list[torch.Tensor], list[int]] | None" = None) -> torch.Tensor:
@@ -310,17 +352,19 @@ class GradStats:
         """
         exact = self.exact if exact is None else exact
         dgrads = self._grads()
-        dtype = stat_dtype(self._device)
+        dtype = self._dtype
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
         as_present = self.last_shared = per_tensor is not None
         if per_tensor is None:
             dgrads, per_tensor = self._planned(lambda gs: self._norms(gs, exact, dtype), dgrads)
+        weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
+        if self._host:
+            return self._per_layer(self._host_squares(per_tensor, inv_scale, weight), as_present=as_present)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
-        weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
         if weight is not None:
             sq = sq * weight
         return self._per_layer(sq, as_present=as_present)
@@ -331,12 +375,13 @@ class GradStats:
         plan = self._plan
         for grp in plan.groups:
             grads = dgrads if plan.simple else [_local(dgrads[m]) for m in grp.members]
-            acc = _acc_dtype(grp.device, grp.dtype, exact)
+            acc = grp.acc_exact if exact else grp.acc
             if grp.plan is None:  # sparse
                 norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
             else:
                 norms = grp.plan.norms(grads, acc)
-            parts.append(to_device(norms, self._device, dtype))
+            # on the host, in their own precision: the squares are taken in float64 (_host_squares)
+            parts.append(norms if self._host and norms.is_cpu else to_device(norms, self._device, dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _planned(self, pass_: Callable[[Any], torch.Tensor], dgrads: Any) -> tuple[Any, torch.Tensor]:
@@ -362,7 +407,7 @@ class GradStats:
 
         Sharded: counts of this rank's shards, weighted like the norms (sum over ranks = global)."""
         dgrads = self._grads()
-        dtype = stat_dtype(self._device)
+        dtype = self._dtype
         if not dgrads:
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         dgrads, counts = self._planned(lambda gs: self._counts(gs, dtype), dgrads)

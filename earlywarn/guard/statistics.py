@@ -75,6 +75,18 @@ def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
     return t.to(dev, dt, non_blocking=dev.type == "cuda").reshape(1)  # non-blocking only toward CUDA
 
 
+_NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
+
+
+def _host_value(t: torch.Tensor) -> np.ndarray:
+    """A CPU scalar (0-d or 1-element) as numpy sees it, for the host's float64 vector: a view, as
+    the vector itself is read (``SyncReader``), not a scalar read per value. Other dtypes are
+    converted as ``_onto`` and ``torch.cat`` convert them (a complex value: its real part)."""
+    if not t.is_cpu or t.dtype not in _NUMPY_FLOATS:
+        t = t.to("cpu", torch.float64)
+    return t.numpy()
+
+
 def _sum_of(layer_sq: np.ndarray) -> float:
     """The layers' squared norms summed left to right, in Python: numpy's reduction costs ~60 us
     on caches a training step has emptied, a sum of the host list ~15 (a few hundred layers: ~10
@@ -115,6 +127,7 @@ class StepStatistics:
         # where the vector lives, its "not reported" and "not checked" entries, a finite step's
         # non-finite counts: made once, not per step
         self._dev, self._dt = self.stats.device, stat_dtype(self.stats.device)
+        self._host = self._dev.type == "cpu"  # the vector is filled in numpy (_host_vector)
         self._nan_entry = torch.full((1,), math.nan, dtype=self._dt, device=self._dev)
         self._zero_entry = torch.zeros(1, dtype=self._dt, device=self._dev)
         self._no_counts = np.zeros(self.num_layers)
@@ -187,17 +200,20 @@ class StepStatistics:
             self._reported = {}
         loss = reported.get("loss")
         scale = self.scaler._scale if self.scaler is not None else None
-        parts = [layer_sq, _onto(loss.mean(), dev, dt) if loss is not None else nan,
-                 _onto(scale, dev, dt) if scale is not None else nan]
+        check = self.state_check_every and step % self.state_check_every == 0
         users = []
-        for j, key in enumerate(self.user_names):  # one slot each, a stable layout; NaN where not reported now
-            acc = reported.get(key)
-            parts.append(nan if acc is None else _onto(acc.mean(), dev, dt))
-            if acc is not None:
-                users.append((key, len(layer_sq) + 2 + j))
-        every = self.state_check_every
-        parts.append(self.state_check.flag(dev, dt) if every and step % every == 0 else self._zero_entry)
-        vec = torch.cat(parts)
+        if self._host:
+            vec = self._host_vector(layer_sq, loss, scale, reported, users, check)
+        else:
+            parts = [layer_sq, _onto(loss.mean(), dev, dt) if loss is not None else nan,
+                     _onto(scale, dev, dt) if scale is not None else nan]
+            for j, key in enumerate(self.user_names):  # one slot each, a stable layout; NaN where not reported now
+                acc = reported.get(key)
+                parts.append(nan if acc is None else _onto(acc.mean(), dev, dt))
+                if acc is not None:
+                    users.append((key, len(layer_sq) + 2 + j))
+            parts.append(self.state_check.flag(dev, dt) if check else self._zero_entry)
+            vec = torch.cat(parts)
         if self.reducer is not None:
             vec = self.reducer.reduce(vec)
         # the LR this step is taken with (a host number: no device work), kept until the step's
@@ -208,6 +224,24 @@ class StepStatistics:
         if users:
             tag.users = tuple(users)
         return vec, tag
+
+    def _host_vector(self, layer_sq: torch.Tensor, loss: "_Mean | None", scale: torch.Tensor | None,
+                     reported: dict[str, _Mean], users: list[tuple[str, int]], check: bool) -> torch.Tensor:
+        """The vector of a run whose statistics live on the CPU, filled in numpy: the same entries
+        as the device's ``torch.cat`` (a small torch op costs ~10x a numpy write on the caches a
+        backward pass leaves; see ``capture.gradstats``)."""
+        L = self.num_layers
+        v = np.empty(L + 3 + len(self.user_names))
+        v[:L] = layer_sq.numpy()
+        v[L:L + 1] = _host_value(loss.mean()) if loss is not None else math.nan
+        v[L + 1:L + 2] = _host_value(scale) if scale is not None else math.nan
+        for j, key in enumerate(self.user_names):  # one slot each, a stable layout; NaN where not reported now
+            acc = reported.get(key)
+            v[L + 2 + j:L + 3 + j] = math.nan if acc is None else _host_value(acc.mean())
+            if acc is not None:
+                users.append((key, L + 2 + j))
+        v[-1:] = _host_value(self.state_check.flag(self._dev, self._dt)) if check else 0.0
+        return torch.from_numpy(v)
 
     def read_now(self, vec: torch.Tensor, tag: StepTag) -> np.ndarray:
         """The step's one batched host read (sync mode); a bad step is recounted exactly."""

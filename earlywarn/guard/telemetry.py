@@ -133,7 +133,7 @@ class Telemetry:
     def log_metrics(self, run_step: int, obs: Observation | None, score: float | None) -> None:
         """The row of one step (``run_step``: the run's clock); ``obs`` None: a step with no statistics."""
         level = self.levels.take()
-        if not any(takes_metrics(sink) for sink in self.sinks):
+        if not any(map(takes_metrics, self.sinks)):
             # no sink does anything with metrics (console only, say): build nothing; every sink
             # still hears that the step is over (the console prints the step's incident then)
             for sink in self.sinks:

@@ -129,6 +129,10 @@ class FrozenRefs:
             self._holders.add(host)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._refs:  # nothing referenced (no frozen parameter, or no snapshot yet): nothing to check
+            if optimizer not in self._held:
+                self._held[optimizer] = ()  # who holds what: worked out at its first step with references
+            return
         groups = optimizer.param_groups
         layout = tuple(len(g["params"]) for g in groups)
         if self._held.get(optimizer) != layout:  # first step, or add_param_group: who holds what, again
