@@ -343,3 +343,17 @@ def test_batch_fingerprints_are_the_values_earlier_versions_wrote():
         fp.observe(batch)  # two micro-batches
         fp.bind(step)
     assert fp.read([0, 1, 2]) == {0: "f95ddc415abb7883", 1: "2732a0613e910cf2", 2: "b15079fcc6363103"}  # by the code before the plan
+
+
+def test_a_conjugate_complex_batch_is_hashed_by_its_values():
+    # a conjugate view (x.conj()) cannot be viewed as real pairs as it is: it is resolved, not an
+    # error in the forward pre-hook that would stop training
+    from earlywarn.recover import BatchFingerprints
+
+    x = torch.randn(6, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    a, b = BatchFingerprints(), BatchFingerprints()
+    a.observe(x.conj())
+    a.bind(0)
+    b.observe(x.conj().resolve_conj())
+    b.bind(0)
+    assert a.read([0]) == b.read([0]) and a.read([0])[0] != (lambda c: (c.observe(x), c.bind(0), c.read([0])[0])[-1])(BatchFingerprints())

@@ -169,7 +169,7 @@ class BatchFingerprints:
         if plan.stride > 1:
             flat = flat[:: plan.stride]
         if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(-1)
+            flat = torch.view_as_real(flat.resolve_conj()).reshape(-1)  # a conjugate view: its values
         if plan.as_int is torch.uint8:
             flat = flat.to(torch.uint8)
         elif plan.as_int is not None:
