@@ -228,8 +228,7 @@ class StepStatistics:
     def _host_vector(self, layer_sq: torch.Tensor, loss: "_Mean | None", scale: torch.Tensor | None,
                      reported: dict[str, _Mean], users: list[tuple[str, int]], check: bool) -> torch.Tensor:
         """The vector of a run whose statistics live on the CPU, filled in numpy: the same entries
-        as the device's ``torch.cat`` (a small torch op costs ~10x a numpy write on the caches a
-        backward pass leaves; see ``capture.gradstats``)."""
+        as the device's ``torch.cat``, without its small torch ops (see ``capture.gradstats``)."""
         L = self.num_layers
         v = np.empty(L + 3 + len(self.user_names))
         v[:L] = layer_sq.numpy()
