@@ -3,6 +3,7 @@
     python benchmarks/overhead.py [--rounds 12] [--block 25] [--shapes small,gpt,lora,tinylm,cnn,moe,gpt+clip]
     python benchmarks/overhead.py --profile gpt [--steps 300]     # where one step's host work goes (step_profile.py)
     python benchmarks/overhead.py --knockout gpt [--rounds 8]     # what each part costs, paired (step_profile.py)
+    python benchmarks/overhead.py --cold gpt [--steps 200]        # a call's price right after backward (step_profile.py)
     python benchmarks/overhead.py --against REV [--shapes ...]    # the working tree's guard vs git REV's, paired
     python benchmarks/overhead.py --alternatives [--steps 12]     # 11M GPT: vs clip, wandb.watch, .item()
     python benchmarks/overhead.py --agreement [--steps 60]        # DDP, gloo, 2 processes
@@ -513,7 +514,7 @@ if __name__ == "__main__":
         alternatives()
     elif "--against" in sys.argv:
         against()
-    elif "--profile" in sys.argv or "--knockout" in sys.argv:
+    elif "--profile" in sys.argv or "--knockout" in sys.argv or "--cold" in sys.argv:
         import step_profile
 
         step_profile.main()

@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py --profile gpt [--steps 300]              # each function, timed in place
     python benchmarks/overhead.py --knockout gpt [--rounds 8] [--block 25]  # each part, what removing it saves
+    python benchmarks/overhead.py --cold gpt [--steps 200]                  # one call, first after backward vs again
 
 ``--profile``: the guard's functions timed in place on the thread's CPU clock (inclusive, a
 wrapper each) over ``--steps`` steps with the default sinks. It names every function, but its
@@ -15,6 +16,13 @@ snapshots, the detector (no alerts), the optimizer-state check, the input finger
 row to the sinks. What a part costs is the intact run's in-place guard time less its copy's, per
 round; the rest is the guard's own step (the vector, the host read, the judge, the policy, the
 recovery bookkeeping). A copy without a part is no run anyone should train: it is a measurement.
+
+``--cold``: why a part costs more inside a step than alone. In a bare loop of the shape, right
+after each backward pass, one of a few calls of the kind the guard makes is timed -- a two-line
+Python function, the guard's own ``learning_rate``, a small torch op and a small numpy call on a
+29-element vector -- first, or behind an untimed call of another kind (the interpreter's own code
+warm again), then again at once, then once more after a 10 ms sleep. The first call pays for the
+caches and TLB entries the backward pass evicted; "again" is the call's own cost.
 """
 
 from __future__ import annotations
@@ -97,6 +105,60 @@ def profile(args: argparse.Namespace) -> None:
     print(f"  {'the guard in all (with report_loss and the fingerprint)':60s} {(guard + outside) / n * 1e6:8.1f} us")
 
 
+# -- cold calls: the first call after a backward pass against the same call again -------------------
+
+def _two_lines(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def cold(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from earlywarn.capture.updates import learning_rate
+
+    run = _Run(args.cold, "bare", tempfile.mkdtemp(prefix="ew-cold-"), timed=False)
+    small32 = torch.rand(29)
+    small_np = small32.numpy()
+    cpu = torch.device("cpu")
+    calls: dict[str, Callable[[], Any]] = {
+        "a two-line Python function": lambda: _two_lines(cpu),
+        "learning_rate(optimizer) (earlywarn's)": lambda: learning_rate(run.opt),
+        "torch: 29 float32 values .to(float64)": lambda: small32.to(torch.float64),
+        "numpy: np.square of them in float64": lambda: np.square(small_np, dtype=np.float64),
+    }
+    names = list(calls)
+    modes = ("first after backward", "after backward, behind another call", "again", "first after a 10 ms sleep")
+    times: dict[tuple[str, str], list[float]] = {}
+    for i in range(args.warm + args.steps):
+        run.opt.zero_grad(set_to_none=True)
+        run.loss_of(i).backward()
+        # one kind of call a step, so that it alone meets the caches as backward left them; every
+        # other step behind an untimed call of another kind (the interpreter's own code warm again)
+        name, behind = names[i % len(names)], (i // len(names)) % 2 == 1
+        if behind:
+            calls[names[(i + 1) % len(names)]]()
+        t0 = time.perf_counter()
+        calls[name]()
+        t1 = time.perf_counter()
+        calls[name]()
+        t2 = time.perf_counter()
+        time.sleep(0.01)
+        t3 = time.perf_counter()
+        calls[name]()
+        t4 = time.perf_counter()
+        if i >= args.warm:
+            for mode, dt in zip(modes, (None if behind else t1 - t0, t1 - t0 if behind else None, t2 - t1, t4 - t3)):
+                if dt is not None:
+                    times.setdefault((name, mode), []).append(dt)
+        run.opt.step()
+    print(f"{args.cold}: one call right after backward (the caches as the step left them) and the same call "
+          f"again; median wall time, each kind of call on every {len(names)}th of {args.steps} steps")
+    print("| call | " + " | ".join(modes) + " |")
+    print("|---|" + "---:|" * len(modes))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(times[(name, m)]) * 1e6:.1f} us" for m in modes) + " |")
+
+
 # -- knock-outs: what each part costs inside a real step ------------------------------------------------
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -176,15 +238,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", metavar="SHAPE")
     ap.add_argument("--knockout", metavar="SHAPE")
-    ap.add_argument("--steps", type=int, default=300, help="--profile: steps timed")
+    ap.add_argument("--cold", metavar="SHAPE")
+    ap.add_argument("--steps", type=int, default=300, help="--profile, --cold: steps timed")
     ap.add_argument("--rounds", type=int, default=8, help="--knockout: rounds")
     ap.add_argument("--block", type=int, default=25, help="--knockout: steps per round (a snapshot every 25)")
     ap.add_argument("--warm", type=int, default=60)
     args = ap.parse_args()
-    if (args.profile is None) == (args.knockout is None):
-        ap.error("give one of --profile SHAPE and --knockout SHAPE")
+    if sum(a is not None for a in (args.profile, args.knockout, args.cold)) != 1:
+        ap.error("give one of --profile SHAPE, --knockout SHAPE and --cold SHAPE")
     torch.set_num_threads(1)
     if args.profile is not None:
         profile(args)
+    elif args.cold is not None:
+        cold(args)
     else:
         knockout(args)

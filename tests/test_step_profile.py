@@ -83,4 +83,17 @@ def test_profile_and_knockout_take_one_shape_and_say_so():
     proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--profile", "gpt", "--knockout", "gpt"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "give one of --profile SHAPE and --knockout SHAPE" in proc.stderr
+    assert "give one of --profile SHAPE, --knockout SHAPE and --cold SHAPE" in proc.stderr
+
+
+def test_cold_prints_every_call_in_every_condition():
+    # each kind of call is timed on every 4th step, first or behind another call on alternate
+    # rounds: 16 steps give each cell two values
+    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--cold", "small", "--steps", "16",
+                           "--warm", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and " us |" in line]
+    assert len(rows) == 4, proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert len(cells) == 4 and all(float(c.removesuffix(" us")) > 0 for c in cells), row
