@@ -18,8 +18,8 @@ round; the rest is the guard's own step (the vector, the host read, the judge, t
 recovery bookkeeping). A copy without a part is no run anyone should train: it is a measurement.
 
 ``--cold``: why a part costs more inside a step than alone. In a bare loop of the shape, right
-after each backward pass, one of a few calls of the kind the guard makes is timed -- a two-line
-Python function, the guard's own ``learning_rate``, a small torch op and a small numpy call on a
+after each backward pass, one of a few calls of the kind the guard makes is timed -- the guard's
+two-line ``stat_dtype`` and its ``learning_rate``, a small torch op and a small numpy call on a
 29-element vector -- first, or behind an untimed call of another kind (the interpreter's own code
 warm again), then again at once, then once more after a 10 ms sleep. The first call pays for the
 caches and TLB entries the backward pass evicted; "again" is the call's own cost.
@@ -107,13 +107,10 @@ def profile(args: argparse.Namespace) -> None:
 
 # -- cold calls: the first call after a backward pass against the same call again -------------------
 
-def _two_lines(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 def cold(args: argparse.Namespace) -> None:
     import numpy as np
 
+    from earlywarn.capture.gradstats import stat_dtype
     from earlywarn.capture.updates import learning_rate
 
     run = _Run(args.cold, "bare", tempfile.mkdtemp(prefix="ew-cold-"), timed=False)
@@ -121,7 +118,7 @@ def cold(args: argparse.Namespace) -> None:
     small_np = small32.numpy()
     cpu = torch.device("cpu")
     calls: dict[str, Callable[[], Any]] = {
-        "a two-line Python function": lambda: _two_lines(cpu),
+        "stat_dtype(device) (earlywarn's, two lines)": lambda: stat_dtype(cpu),
         "learning_rate(optimizer) (earlywarn's)": lambda: learning_rate(run.opt),
         "torch: 29 float32 values .to(float64)": lambda: small32.to(torch.float64),
         "numpy: np.square of them in float64": lambda: np.square(small_np, dtype=np.float64),

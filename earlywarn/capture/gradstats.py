@@ -163,8 +163,9 @@ class _Plan:
         self.simple = len(groups) == 1 and not sharded and not groups[0].sparse
         # ... and the loop's clip, which takes the norms in the gradients' own precision, can lend its own
         self.shareable = self.simple and groups[0].dtype in (torch.float32, torch.float64)
-        self.index: torch.Tensor | None = None  # per-tensor -> per-layer, made on first use
-        self.index_present: torch.Tensor | None = None
+        # per-tensor -> per-layer (GradStats._layer_index: numpy on the host), made on first use
+        self.index: "np.ndarray | torch.Tensor | None" = None
+        self.index_present: "np.ndarray | torch.Tensor | None" = None
         self.weights: torch.Tensor | None = None
 
     def order(self) -> list[int]:
