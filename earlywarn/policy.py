@@ -85,12 +85,15 @@ class PolicyConfig:
     Async mode reads it after its update was applied and cannot skip it."""
 
     outlier_skips: int = 40
-    """Outliers in a row skipped (a burst of corrupt batches: PaLM skipped 200-500); from the next
+    """Outliers of one run skipped (a burst of corrupt batches: PaLM skipped 200-500); from the next
     one on they are clipped instead (scaled to ``outlier_clip_ratio`` times their typical norm
     before the update): a new regime (a harder stage, every gradient large from now on) keeps
-    training while the detector's baseline moves to it. Outliers right after an update of the
-    run's own that was that large (a part unfrozen: its first update moves the model far) are the
-    run recovering from it, not bad batches: they are applied."""
+    training while the detector's baseline moves to it. A run ends at a gradient back under
+    ``outlier_clip_ratio`` times its typical norm, not at any step under the outlier ratio: in a
+    noisy new regime every few steps fall under it, and counting outliers in a row there skipped
+    nine steps in ten until the baseline moved. Outliers right after an update of the run's own
+    that was that large (a part unfrozen: its first update moves the model far) are the run
+    recovering from it, not bad batches: they are applied."""
 
     outlier_clip_ratio: float = 3.0
     """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
@@ -274,7 +277,7 @@ _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)
 
 class Policy:
     """``policy.decide(step, alerts, evidence) -> PolicyDecision``. The policy's own state (cooldowns,
-    rate limits, the non-finite streak, the outliers in a row, the latest abnormal update, the LR
+    rate limits, the non-finite streak, the run of outliers, the latest abnormal update, the LR
     jump under watch) is declared in ``__init__`` and saved by :meth:`state_dict`."""
 
     def __init__(self, cfg: PolicyConfig | None = None):
@@ -288,7 +291,7 @@ class Policy:
         self.checkpoints: deque[int] = deque()
         self.last_rewind = -(1 << 60)
         self.rewinds: deque[int] = deque()
-        self.outliers = 0  # outliers in a row
+        self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
@@ -379,7 +382,7 @@ class Policy:
 
     # -- the rules that read more than one alert -----------------------------------------------
     def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None]:
-        """The first ``outlier_skips`` outliers in a row are skipped, the rest clipped; those right
+        """The first ``outlier_skips`` outliers of a run are skipped, the rest clipped; those right
         after a large update of the run's own are applied (-> the action, and the factor the
         gradients are scaled by)."""
         self.outliers += 1
@@ -432,8 +435,9 @@ class Policy:
     @property
     def watching(self) -> bool:
         """A step without alerts still needs :meth:`decide`: a learning-rate jump is being watched,
-        or a non-finite streak is to be ended. Otherwise :meth:`calm` answers it."""
-        return self.probe is not None or self.nonfinite_streak != 0
+        or a non-finite streak or a run of outliers is to be ended (that needs the step's gradient
+        ratio). Otherwise :meth:`calm` answers it."""
+        return self.probe is not None or self.nonfinite_streak != 0 or self.outliers != 0
 
     def calm(self, lr: float = math.nan) -> PolicyDecision:
         """:meth:`decide` of a step with no alerts and nothing skipped while nothing is
@@ -448,8 +452,8 @@ class Policy:
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
         kinds = {a.kind for a in alerts}
-        if Kind.GRAD_OUTLIER not in kinds:
-            self.outliers = 0
+        if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
+            self.outliers = 0  # the gradient is back near its typical norm: a run of outliers is over
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
                 self.abnormal, self.probe, self.outliers, self.big_applied = None, None, 0, None

@@ -227,6 +227,34 @@ def test_an_outlier_is_skipped_and_a_long_run_of_them_clipped():
     assert all(p.decide(s, out(s), Evidence(30.0, 5.0)).actions == (Action.SKIP,) for s in range(100, 140))
 
 
+def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm():
+    """A noisy new regime: outliers (>= 20x) with steps of 5-15x between them. Those steps are
+    applied and do not end the run (counting in a row skipped most of such a regime until the
+    detector's baseline moved); a gradient back under ``outlier_clip_ratio`` x typical does."""
+    from earlywarn.policy import Evidence
+
+    p = Policy(PolicyConfig(outlier_skips=4))
+    assert not p.watching
+    out = lambda s: [ev(s, Kind.GRAD_OUTLIER, ratio=30.0, loss_ratio=5.0, steps=1)]
+    got = []
+    for s in range(10, 22):
+        if s % 2:  # elevated, under the outlier ratio: no alert, applied as it is
+            assert p.watching  # a run is under way: the step's ratio decides whether it ends
+            d = p.decide(s, [], Evidence(8.0, 5.0))
+        else:
+            d = p.decide(s, out(s), Evidence(30.0, 5.0))
+        got.append(d.actions)
+    assert got == [(Action.SKIP,), (), (Action.SKIP,), (), (Action.SKIP,), (), (Action.SKIP,), (),
+                   (Action.CLIP,), (), (Action.CLIP,), ()]
+    # back near its typical norm: the run is over, the next outlier is a new one and is skipped
+    assert not p.decide(22, [], Evidence(1.5, 1.0)).actions and not p.watching
+    assert p.decide(23, out(23), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
+    # the count is part of the policy's state (a resumed run goes on with it)
+    q = Policy(PolicyConfig(outlier_skips=4))
+    q.load_state_dict(p.state_dict())
+    assert q.watching and q.outliers == 1
+
+
 def test_outliers_right_after_a_large_update_of_the_runs_own_are_applied():
     from earlywarn.policy import Evidence
 

@@ -68,7 +68,7 @@ class Responses:
         self.telemetry.emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
-            message=(f"outlier gradient ({ratio:.3g}x its typical norm), one more in a row: scaled by {factor:.3g} "
+            message=(f"outlier gradient ({ratio:.3g}x its typical norm), one more in a long run of them: scaled by {factor:.3g} "
                      f"to {ratio * factor:.3g}x its typical norm before the update (a long burst of bad batches "
                      "does bounded damage; a new regime keeps training while the baseline moves to it)"),
             values={"clip_factor": factor, "ratio": ratio}, batch=_batch_index(tag)))
