@@ -446,8 +446,7 @@ class Policy:
         self.tick += 1
         if lr == lr:
             self.lrs.append((self.tick, lr))
-        self.outliers = 0
-        return _NOTHING
+        return _NOTHING  # (no run of outliers to end: that is watched)
 
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
