@@ -106,6 +106,45 @@ def test_gradients_that_carry_a_graph_are_read_without_it():
         p.grad = None  # the reference cycle create_graph makes
 
 
+def test_the_host_vector_is_the_device_vector_entry_for_entry():
+    # the CPU fills the step's vector in numpy; a CUDA run concatenates it with torch. CI has no
+    # GPU, so the torch path is run here on the CPU on the same step: the same layout, the same bits
+    # (loss, scale, user signals reported and not, the state flag on a check step and off it)
+    from earlywarn.guard.statistics import StepStatistics
+
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    lm = build_layer_map(model, opt)
+    scaler = type("Scaler", (), {"_scale": torch.tensor([1024.0])})()
+    backward(model)
+    opt.step()  # optimizer state for the flag to read
+    backward(model, seed=1)  # one set of gradients for every vector below
+    for step, users in ((3, ("a", "b")), (4, ("b",)), (6, ())):
+        vecs, tags = [], []
+        for host in (True, False):
+            st = StepStatistics(lm, opt, scaler, late=False, world_size=1, state_check_every=3)
+            st._host = host
+            for name in ("a", "b"):
+                st.report(name, 0.0)  # both slots exist, in this order
+            st._reported.clear()
+            st.report_loss(torch.tensor(2.5, dtype=torch.float32))
+            st.report_loss(3.5)
+            for name in users:
+                st.report(name, torch.tensor(float(len(name)) + 0.25))
+            vec, tag = st.vector(step, None)
+            vecs.append(vec)
+            tags.append(tag.users)
+            st.close()
+        host_vec, dev_vec = vecs
+        assert host_vec.dtype == dev_vec.dtype and host_vec.shape == dev_vec.shape
+        assert host_vec.numpy().tobytes() == dev_vec.numpy().tobytes(), (step, host_vec, dev_vec)
+        assert tags[0] == tags[1]
+        L = lm.num_layers
+        assert host_vec[L] == 3.0 and host_vec[L + 1] == 1024.0
+        assert [math.isnan(host_vec[L + 2 + j]) for j in range(2)] == [n not in users for n in ("a", "b")]
+        assert (host_vec[-1] > 0.0) == (step % 3 == 0)  # the state's norms summed, or "not checked"
+
+
 def _norms_of_one_backward(model: nn.Module):
     """(layer map, GradStats, the calls its layer_sq_norms made, what it returned) after one backward
     of ``model`` (8 inputs)."""

@@ -200,20 +200,22 @@ class StepStatistics:
             self._reported = {}
         loss = reported.get("loss")
         scale = self.scaler._scale if self.scaler is not None else None
-        check = self.state_check_every and step % self.state_check_every == 0
+        # after the layers, one slot each, a stable layout: the loss, the scale, every user signal
+        # ever reported (None: not reported now, a NaN in the vector), then the state's flag
+        entries = [None if loss is None else loss.mean(), scale]
         users = []
+        for j, key in enumerate(self.user_names):
+            acc = reported.get(key)
+            entries.append(None if acc is None else acc.mean())
+            if acc is not None:
+                users.append((key, self.num_layers + 2 + j))
+        every = self.state_check_every
+        flag = self.state_check.flag(dev, dt) if every and step % every == 0 else None
         if self._host:
-            vec = self._host_vector(layer_sq, loss, scale, reported, users, check)
+            vec = self._host_vector(layer_sq, entries, flag)
         else:
-            parts = [layer_sq, _onto(loss.mean(), dev, dt) if loss is not None else nan,
-                     _onto(scale, dev, dt) if scale is not None else nan]
-            for j, key in enumerate(self.user_names):  # one slot each, a stable layout; NaN where not reported now
-                acc = reported.get(key)
-                parts.append(nan if acc is None else _onto(acc.mean(), dev, dt))
-                if acc is not None:
-                    users.append((key, len(layer_sq) + 2 + j))
-            parts.append(self.state_check.flag(dev, dt) if check else self._zero_entry)
-            vec = torch.cat(parts)
+            vec = torch.cat([layer_sq, *(nan if e is None else _onto(e, dev, dt) for e in entries),
+                             self._zero_entry if flag is None else flag])
         if self.reducer is not None:
             vec = self.reducer.reduce(vec)
         # the LR this step is taken with (a host number: no device work), kept until the step's
@@ -225,21 +227,16 @@ class StepStatistics:
             tag.users = tuple(users)
         return vec, tag
 
-    def _host_vector(self, layer_sq: torch.Tensor, loss: "_Mean | None", scale: torch.Tensor | None,
-                     reported: dict[str, _Mean], users: list[tuple[str, int]], check: bool) -> torch.Tensor:
+    def _host_vector(self, layer_sq: torch.Tensor, entries: "list[torch.Tensor | None]",
+                     flag: torch.Tensor | None) -> torch.Tensor:
         """The vector of a run whose statistics live on the CPU, filled in numpy: the same entries
         as the device's ``torch.cat``, without its small torch ops (see ``capture.gradstats``)."""
         L = self.num_layers
-        v = np.empty(L + 3 + len(self.user_names))
+        v = np.empty(L + len(entries) + 1)
         v[:L] = layer_sq.numpy()
-        v[L:L + 1] = _host_value(loss.mean()) if loss is not None else math.nan
-        v[L + 1:L + 2] = _host_value(scale) if scale is not None else math.nan
-        for j, key in enumerate(self.user_names):  # one slot each, a stable layout; NaN where not reported now
-            acc = reported.get(key)
-            v[L + 2 + j:L + 3 + j] = math.nan if acc is None else _host_value(acc.mean())
-            if acc is not None:
-                users.append((key, L + 2 + j))
-        v[-1:] = _host_value(self.state_check.flag(self._dev, self._dt)) if check else 0.0
+        for i, e in enumerate(entries, L):
+            v[i:i + 1] = math.nan if e is None else _host_value(e)
+        v[-1:] = 0.0 if flag is None else _host_value(flag)
         return torch.from_numpy(v)
 
     def read_now(self, vec: torch.Tensor, tag: StepTag) -> np.ndarray:
