@@ -9,8 +9,9 @@ A family is ``configs(seed_base, n) -> list[dict]``: plain JSON-able configs, ea
 Healthy families each contain events that a naive rule mistakes for trouble (a noisy plateau,
 an LR that jumps back up, a loss that moves to a new level and trains down, a loss below zero,
 a gradient that grows when a backbone is unfrozen, an outlier batch that heals, a discriminator
-that spikes). A fault family draws a base config from a healthy family where the fault makes
-sense, and a fault at a random step (20%-70% of the run). ``hopeless`` runs at an LR 30-300x
+that spikes, heavy-tailed noise, a batch size that changes, an LR that jumps to a level the run
+never had, a loss whose scale changes 1/32-64x). A fault family draws a base config from a
+healthy family where the fault makes sense, and a fault at a random step (20%-70% of the run). ``hopeless`` runs at an LR 30-300x
 too high from step 0. Nothing here is tuned to any method: ranges are what such runs use.
 """
 
@@ -257,6 +258,41 @@ def smallbatch(rng):
     return cfg
 
 
+# Four more, added once the rules above were settled (none was tuned on them): heavy-tailed noise
+# or sample weights, a batch size that changes, a low-LR phase and then the real LR, and a loss
+# whose scale changes (the reduction, a loss weight): its gradient scales with it.
+def heavy_tail(rng):
+    if rng.random() < 0.5:
+        cfg = base(rng, "regression", (250, 500))
+        cfg["task"]["noise_df"] = rng.choice([1.5, 2.0, 3.0])
+    else:
+        cfg = base(rng, rng.choice(["classify", "regression"]), (250, 500))
+        cfg["events"]["weights"] = {"sigma": rng.uniform(0.8, 1.6)}
+    return cfg
+
+
+def batch_change(rng):
+    task = rng.choice(["regression", "classify", "chargpt"])
+    cfg = base(rng, task, (250, 500))
+    b = cfg["task"]["batch"]
+    cfg["task"]["batch_at"] = [frac_step(rng, cfg["steps"], 0.3, 0.7), max(4, b // 4) if rng.random() < 0.5 else b * 4]
+    return cfg
+
+
+def lr_jump(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "cnn", "chargpt"]))
+    cfg["sched"] = {"kind": "two_phase", "low": rng.uniform(0.03, 0.2), "at": frac_step(rng, cfg["steps"], 0.15, 0.5)}
+    return cfg
+
+
+def loss_scale(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "chargpt"]))
+    cfg["opt"] = {**cfg["opt"]} if cfg["opt"]["name"] in ("adam", "adamw") else opt_for(rng, "chargpt")
+    cfg["events"]["loss_scale"] = {"at": frac_step(rng, cfg["steps"], 0.3, 0.7),
+                                   "factor": rng.choice([1 / 32, 1 / 8, 8.0, 32.0, 64.0])}
+    return cfg
+
+
 # ---------------------------------------------------------------- faults
 FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
                "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
@@ -355,6 +391,8 @@ _HEALTHY_MAKERS = {
     "finetune": (finetune, 7), "gauss_nll": (gauss_nll, 7), "cnn_bn": (cnn_bn, 7), "lstm_clip": (lstm_clip, 7),
     "onecycle": (onecycle, 7), "grad_accum": (grad_accum, 7), "transient_heal": (transient_heal, 8),
     "gan": (gan, 6), "lr_warmup": (lr_warmup, 7), "smallbatch": (smallbatch, 6),
+    "heavy_tail": (heavy_tail, 7), "batch_change": (batch_change, 7), "lr_jump": (lr_jump, 7),
+    "loss_scale": (loss_scale, 7),
 }
 HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
 FAULT_FAMILIES: dict[str, Family] = {

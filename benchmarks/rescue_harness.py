@@ -37,6 +37,8 @@ def lr_at(sched: dict, base: float, it: int, steps: int) -> float:
     """The loop's own schedule (``const`` / ``cosine`` with linear warm-up)."""
     if sched["kind"] == "const":
         return base
+    if sched["kind"] == "two_phase":
+        return base * (sched["low"] if it < sched["at"] else 1.0)
     warm = max(1, int(sched["warmup"] * steps))
     if it < warm:
         return base * (it + 1) / warm
@@ -59,12 +61,14 @@ def torch_scheduler(sched: dict, opt: torch.optim.Optimizer, base: float, steps:
 
 # ---------------------------------------------------------------- faults and events
 class Perturb:
-    """The config's events (an outlier batch) and fault, as the loop applies them."""
+    """The config's events (an outlier batch, heavy-tailed sample weights, a loss scale) and
+    fault, as the loop applies them."""
 
     def __init__(self, config: dict, task) -> None:
         self.fault = config.get("fault") or {}
         self.kind = self.fault.get("kind")
-        self.outlier = config.get("events", {}).get("outlier")
+        self.events = config.get("events", {})
+        self.outlier = self.events.get("outlier")
         self.task, self.seed = task, config["seed"]
         self.norms: list[float] = []  # recent gradient norms (only tracked for an outlier event)
 
@@ -92,6 +96,10 @@ class Perturb:
                     b[key] = b[key] * f["scale"]
             if f["how"] in ("shuffle", "both"):
                 b["y"] = self._scrambled(b["y"], g)
+        wts = self.events.get("weights")
+        if wts:
+            w = torch.exp(wts["sigma"] * torch.randn(n, generator=gen(self.seed, "weights", it, micro)))
+            b["w"] = w if "w" not in b else b["w"] * w
         if self.outlier and it == self.outlier["at"] and micro == 0:
             b["y"] = self._scrambled(b["y"], g)
             if b["y"].is_floating_point():
@@ -215,6 +223,9 @@ def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
     for micro in range(accum):
         batch = perturb.batch(it, micro, task.batch(it, micro, k))
         loss = task.loss(k, batch)
+        ls = perturb.events.get("loss_scale")
+        if ls and it >= ls["at"]:
+            loss = loss * ls["factor"]
         (loss / accum if accum > 1 else loss).backward()
         method.report_loss(k, loss)
         total = total + loss.detach()

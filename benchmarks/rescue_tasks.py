@@ -119,7 +119,11 @@ class Task:
             self.models[0].requires_grad_(True)
 
     def batch(self, it: int, micro: int, k: int = 0) -> dict:
-        return self.sample(gen(self.seed, "train", it, micro, k), self.cfg["batch"], self.stage(it))
+        n = self.cfg["batch"]
+        ramp = self.cfg.get("batch_at")
+        if ramp and it >= ramp[0]:
+            n = ramp[1]
+        return self.sample(gen(self.seed, "train", it, micro, k), n, self.stage(it))
 
     def sample(self, g: torch.Generator, n: int, stage: int) -> dict:
         raise NotImplementedError
@@ -144,9 +148,9 @@ class Task:
 
 
 class Regression(Task):
-    """y = teacher(x) + noise, MSE. Stage kinds: ``targets`` (a second teacher added, weight
-    ``size``), ``harder`` (a high-frequency teacher added), ``inputs`` (the inputs move by
-    ``size`` and stretch)."""
+    """y = teacher(x) + noise (Gaussian; Student-t with ``noise_df``), MSE. Stage kinds:
+    ``targets`` (a second teacher added, weight ``size``), ``harder`` (a high-frequency teacher
+    added), ``inputs`` (the inputs move by ``size`` and stretch)."""
 
     def __init__(self, cfg: dict, seed: int):
         super().__init__(cfg, seed)
@@ -175,7 +179,12 @@ class Regression(Task):
 
     def sample(self, g, n, stage):
         x, y = self.inputs_targets(g, n, stage)
-        return {"x": x, "y": y + self.cfg["noise"] * torch.randn(y.shape, generator=g)}
+        noise = torch.randn(y.shape, generator=g)
+        df = self.cfg.get("noise_df")
+        if df:  # Student-t: a normal over sqrt(chi2_df / df), chi2 as a gamma draw
+            chi2 = torch._standard_gamma(torch.full(y.shape, df / 2.0), generator=g) * 2.0
+            noise = noise / torch.sqrt(chi2 / df).clamp_min(1e-6)
+        return {"x": x, "y": y + self.cfg["noise"] * noise}
 
     def loss(self, k, batch):
         return weighted_mean(F.mse_loss(self.models[0](batch["x"]), batch["y"], reduction="none"), batch)

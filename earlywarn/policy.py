@@ -103,9 +103,12 @@ class PolicyConfig:
     """After an LR jump (COLLAPSE_RISK on the learning rate, a clean copy saved before its update),
     the next this-many steps are watched. A gradient ``lr_probe_grad_ratio`` times its typical
     norm, a loss ``lr_probe_loss_ratio`` times its level, a warning or a non-finite value there
-    rewinds to that copy and holds the learning rate at the highest the run had survived for as
-    long as the loop's stays above it (an LR pulse: earlywarn steps at the old LR until it ends).
-    A jump the run takes calmly is kept. 0: an LR jump is only checkpointed."""
+    rewinds to that copy and holds the learning rate at the highest the run had survived, warming
+    back up (doubling every 10 calm steps) for as long as the loop's stays above it: an LR pulse
+    ends before the ceiling gets far, a jump the schedule meant (a low-LR phase, then the real
+    one) trains on at its own rate a few dozen steps later, and a rate too high for the run meets
+    the instability again and is held flat where it did. A jump the run takes calmly is kept.
+    0: an LR jump is only checkpointed."""
 
     lr_probe_grad_ratio: float = 2.5
     """See ``lr_probe_steps``."""

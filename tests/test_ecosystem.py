@@ -417,9 +417,14 @@ def test_the_recurrence_reads_the_largest_lr_not_group_0():
     from earlywarn.recover.window import CleanWindow
 
     rec = Recurrence(opt, factor=0.5, lr_steps=10, history=50, window=CleanWindow(5))
-    rec.after_step(0, clean=True)
-    assert rec.live_lr() == 3e-3 and rec._lr[-1] == (0, 3e-3)
+    assert rec.live_lr() == 3e-3
+    ew = earlywarn.watch(model, opt, sinks=[])  # what a step records: the LR it took, the largest group's
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    rec = ew.recovery.recurrence
+    assert rec._lr[-1] == (0, 3e-3)
     assert rec.lr_trend(1) == "learning rate (largest over param groups): 0.003 at step 1"
+    ew.close()
 
 
 # -- 7. refusals that name the fix ----------------------------------------------------------------

@@ -205,6 +205,29 @@ def test_a_ramp_the_rewind_set_back_stays_held_by_the_ceiling_to_the_end(tmp_pat
     assert not lifted and ew.recovery.lr_ceiling.ceiling is not None
 
 
+def test_an_lr_jump_that_stays_is_warmed_back_up_to_the_highest_rate_the_run_can_take(tmp_path):
+    # the loop's LR jumps 60x at step 62 and stays there: too high for this run. The jump's rewind
+    # holds it at the 0.02 it had survived, warming the ceiling back up on calm steps (a jump the
+    # schedule meant trains on at its own rate); where the run turns unstable again, the rewind is
+    # "a rise" and the ceiling stays flat at the rate the restored step took -- not the loop's
+    # 1.2, which the recurrence history used to record (it records what each step took now)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
+    ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
+    _train_until(ew, model, opt, 220, lambda it: 2e-2 * (60.0 if it >= 62 else 1.0))
+    held = [e for e in ew.events if e.signal == "lr_ceiling" and e.kind is Kind.REWIND and e.level is Level.WARNING]
+    assert [("a jump" in e.message, "a rise" in e.message) for e in held] == [(True, False), (False, True)]
+    assert held[0].values["lr_ceiling"] == pytest.approx(2e-2) and "doubling every 10 calm steps" in held[0].message
+    flat = held[1].values["lr_ceiling"]
+    assert 2e-2 < flat < 1.2 / 4  # warmed above what it had survived, well below the loop's
+    ceiling = ew.recovery.lr_ceiling
+    assert ceiling.ceiling == flat and not ceiling.warming  # flat to the end
+    assert ew.counters["rewinds"] == 2 and ew.step == 220
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ew.close()
+
+
 def _train_until(ew, model, opt, until, lr_at=None, after_step=None, before_step=None) -> None:
     """The MLP regression loop until ``ew.step`` reaches ``until``: the learning rate set by the
     loop from ``ew.step`` (``lr_at``; None: left as it is); ``before_step`` runs before each

@@ -175,16 +175,19 @@ class Responses:
         except Halt as exc:
             self.halt(tag, str(exc), cause=exc)
         self.telemetry.count("rewinds")
-        ceiling = decision.policy.lr_ceiling
+        ceiling = jump = decision.policy.lr_ceiling
         if decision.policy.hold_lr_at_target:
             ceiling = self.recovery.lr_at(report.restored_step)
         if ceiling is not None:
-            self.recovery.hold_lr(ceiling)
+            # after a jump the ceiling warms back up (a schedule's own jump trains on at its rate); after a rise it stays
+            self.recovery.hold_lr(ceiling, rewarm=jump is not None)
+            how = (f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump is not None else "")
+            how += " while the loop's learning rate stays above it"
             self.telemetry.emit(Event(
                 step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="lr_ceiling",
-                message=(f"the learning rate led the run into this ({'a jump' if decision.policy.lr_ceiling else 'a rise'}): "
-                         f"earlywarn steps at no more than {ceiling:.3g} (the highest it had run at calmly) while the "
-                         "loop's learning rate stays above it"), values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
+                message=(f"the learning rate led the run into this ({'a jump' if jump is not None else 'a rise'}): "
+                         f"earlywarn steps at no more than {ceiling:.3g} (the highest it had run at calmly){how}"),
+                values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
         return report
 
     def _blame(self, decision: Decision, tag: StepTag, first: int) -> Any:

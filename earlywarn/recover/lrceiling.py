@@ -2,6 +2,12 @@
 optimizer steps at no more than the highest learning rate the run had survived, for as long as
 the loop's own learning rate stays above it (an LR pulse ends, a ramp decays).
 
+After a jump the ceiling warms back up: it doubles every ``rewarm`` calm steps while the loop's
+learning rate is above it. A pulse ends long before it gets there; a jump the schedule meant (a
+low-LR phase, then the real one) was only unstable for a step or two, and a flat ceiling held it
+at the low phase's rate for the rest of the run. After a rising LR (the instability came at the
+end of a climb, not one step after it) the ceiling stays flat: climbing again would meet it again.
+
 It acts around each optimizer step only (every param group's ``lr`` scaled for the call and put
 back right after), so whoever sets the learning rate -- a scheduler, the loop -- keeps its values,
 and it lifts itself once the loop's learning rate has stayed within ``release`` times the ceiling
@@ -22,33 +28,41 @@ from ..capture.updates import learning_rate
 
 class LrCeiling:
     """``release``, ``settle``: the ceiling lifts once the loop's learning rate has been at most
-    ``release`` times it for ``settle`` optimizer steps in a row."""
+    ``release`` times it for ``settle`` optimizer steps in a row. ``rewarm``: calm steps per
+    doubling of a warming ceiling (one held with ``rewarm=True``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, release: float = 1.5, settle: int = 50) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, release: float = 1.5, settle: int = 50,
+                 rewarm: int = 10) -> None:
         self.optimizer = optimizer
         self.release = release
         self.settle = settle
+        self.rewarm = rewarm
+        self.growth = 2.0 ** (1.0 / rewarm)
         self.ceiling: float | None = None
+        self.warming = False  # the ceiling rises on calm steps (after a jump)
         self.calm = 0  # steps in a row with the loop's learning rate back within release x the ceiling
 
-    def hold(self, ceiling: float) -> None:
+    def hold(self, ceiling: float, *, rewarm: bool = False) -> None:
         if not (math.isfinite(ceiling) and ceiling > 0.0):
             raise ValueError(f"an LR ceiling must be a finite number > 0, got {ceiling!r}")
-        self.ceiling, self.calm = ceiling, 0
+        self.ceiling, self.calm, self.warming = ceiling, 0, rewarm
 
     def factor(self, lr: float | None) -> float:
         """What the loop's learning rate ``lr`` is scaled by now (1.0 without a ceiling over it)."""
         c = self.ceiling
         return 1.0 if c is None or lr is None or lr <= c else c / lr
 
-    def after_step(self) -> bool:
-        """Lift the ceiling once the loop's learning rate has stayed back; True when it just did."""
+    def after_step(self, lr: float | None, calm: bool = False) -> bool:
+        """Lift the ceiling once the loop's learning rate (``lr``) has stayed back; True when it
+        just did. ``calm``: the step was calm (no incident near it, nothing building), so a
+        warming ceiling rises."""
         if self.ceiling is None:
             return False
-        lr = learning_rate(self.optimizer)
+        if self.warming and calm and lr is not None and lr > self.ceiling:
+            self.ceiling *= self.growth
         self.calm = self.calm + 1 if lr is not None and lr <= self.release * self.ceiling else 0
         if self.calm >= self.settle:
-            self.ceiling, self.calm = None, 0
+            self.ceiling, self.calm, self.warming = None, 0, False
             return True
         return False
 
@@ -62,12 +76,13 @@ class LrCeiling:
         return step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_ceiling": self.ceiling, "lr_ceiling_calm": self.calm}
+        return {"lr_ceiling": self.ceiling, "lr_ceiling_calm": self.calm, "lr_ceiling_warming": self.warming}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         c = d.get("lr_ceiling")
         self.ceiling = None if c is None else float(c)
         self.calm = int(d.get("lr_ceiling_calm", 0))
+        self.warming = bool(d.get("lr_ceiling_warming", False))
 
 
 def scaled_step(optimizer: torch.optim.Optimizer, factor: float, step_fn: Callable[..., Any], args: Any,

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from ..capture.updates import learning_rate
 from ..events import Event, Kind, Level
 from . import rewind as _rewind
 from ._state import distributed_rank, fence_copies
@@ -188,12 +189,14 @@ class Recovery:
         if seen is None or step > seen:
             self.record_step(step, maybe_clean=clean, building=building)
         clean = clean and self.window.clean(step)
-        if self.lr_ceiling.after_step():
+        lr = learning_rate(self.optimizer)
+        taken = self.effective_lr(lr)  # what this step stepped with (before a warming ceiling rises)
+        if self.lr_ceiling.after_step(lr, calm=clean and not building):
             self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_ceiling",
-                            message=f"the loop's learning rate has stayed near the highest the run had survived for "
-                                    f"{self.lr_ceiling.settle} steps: earlywarn no longer holds it down",
+                            message=f"the loop's learning rate has stayed within {self.lr_ceiling.release:g}x earlywarn's "
+                                    f"ceiling for {self.lr_ceiling.settle} steps: earlywarn no longer holds it down",
                             values={"lr_ceiling": math.nan}))
-        if self.recurrence.after_step(step, clean=clean):
+        if self.recurrence.after_step(step, taken, clean=clean):
             self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_factor",
                             message=f"the lowered learning rate ended after {self.config.recurrence_lr_steps} "
                                     "steps: the optimizer steps at the loop's learning rate again",
@@ -352,12 +355,14 @@ class Recovery:
         return self.lr_ceiling.wrap_step(self.recurrence.wrap_step(step_fn))
 
     def lr_at(self, step: int) -> float | None:
-        """The learning rate recorded at training step ``step`` (the largest over param groups)."""
+        """The learning rate training step ``step`` took (the largest over param groups, with
+        earlywarn's ceiling and lowered factor applied)."""
         return self.recurrence.lr_at(step)
 
-    def hold_lr(self, ceiling: float) -> None:
-        """Step at no more than ``ceiling`` while the loop's learning rate stays above it."""
-        self.lr_ceiling.hold(ceiling)
+    def hold_lr(self, ceiling: float, *, rewarm: bool = False) -> None:
+        """Step at no more than ``ceiling`` while the loop's learning rate stays above it
+        (``rewarm``: the ceiling warms back up on calm steps, see :mod:`.lrceiling`)."""
+        self.lr_ceiling.hold(ceiling, rewarm=rewarm)
 
     def effective_lr(self, lr: float | None) -> float | None:
         """The learning rate the optimizer really steps with when the loop's is ``lr``."""

@@ -104,10 +104,10 @@ class Recurrence:
         return 1.0 if self._cut is None else float(self._cut[0])
 
     # -- per step --------------------------------------------------------------------------------
-    def after_step(self, step: int, *, clean: bool) -> bool:
-        """Record the step's learning rate, count the lowered one down, close the episode once
-        it held. Returns True when the lowered learning rate just ended."""
-        self._lr.append((step, learning_rate(self.optimizer)))
+    def after_step(self, step: int, lr: float | None, *, clean: bool) -> bool:
+        """Record the learning rate the step took (``lr``), count the lowered one down, close the
+        episode once it held. Returns True when the lowered learning rate just ended."""
+        self._lr.append((step, lr))
         ended = False
         if self._cut is not None:
             self._cut[1] -= 1
