@@ -93,7 +93,10 @@ class PolicyConfig:
     noisy new regime every few steps fall under it, and counting outliers in a row there skipped
     nine steps in ten until the baseline moved. Outliers right after an update of the run's own
     that was that large (a part unfrozen: its first update moves the model far) are the run
-    recovering from it, not bad batches: they are applied."""
+    recovering from it, not bad batches: they are applied. The cost: a loop that changes its
+    loss's scale 20x or more on purpose (a new reduction, a loss weight) has its first 40 steps
+    after it skipped -- a burst of bad batches looks the same while it lasts. Such a loop can pass
+    0 here: outliers are then clipped from the first, never skipped."""
 
     outlier_clip_ratio: float = 3.0
     """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is

@@ -255,6 +255,17 @@ def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm(
     assert q.watching and q.outliers == 1
 
 
+def test_outlier_skips_0_clips_outliers_from_the_first():
+    # a loop that changes its loss's scale on purpose: its gradients become outliers, and with
+    # outlier_skips=0 not one of its steps is lost -- each is scaled to outlier_clip_ratio x typical
+    from earlywarn.policy import Evidence
+
+    p = Policy(PolicyConfig(outlier_skips=0))
+    for s, ratio in ((10, 64.0), (11, 40.0), (12, 80.0)):
+        d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=60.0, steps=1)], Evidence(ratio, 60.0))
+        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / ratio)
+
+
 def test_outliers_right_after_a_large_update_of_the_runs_own_are_applied():
     from earlywarn.policy import Evidence
 
