@@ -62,15 +62,21 @@ def test_the_ceiling_and_its_calm_count_survive_a_state_dict_round_trip():
     assert other.ceiling is None and other.calm == 0
 
 
+def _warmed(opt: torch.optim.Optimizer, calm_steps: int) -> LrCeiling:
+    """A jump's ceiling held at 1.0 (warming, doubling every 10 calm steps), after ``calm_steps``."""
+    ceiling = LrCeiling(opt, rewarm=10)
+    ceiling.hold(1.0, rewarm=True)
+    for _ in range(calm_steps):
+        ceiling.after_step(_lr(opt), calm=True)
+    return ceiling
+
+
 def test_a_jumps_ceiling_doubles_every_rewarm_calm_steps_up_to_the_loops_lr():
     # lr_jump-89-009 (benchmarks, held-out lr_jump family): a low-LR phase, then a 28x jump the run
     # took with a one-step loss bump; the rewind held it at the low phase's LR for the remaining
     # 250 steps (kept 0.11 of the bare run's progress). Warming, it is back at the loop's in ~50.
     opt = _opt(28.0)
-    ceiling = LrCeiling(opt, rewarm=10)
-    ceiling.hold(1.0, rewarm=True)
-    for _ in range(10):
-        ceiling.after_step(_lr(opt), calm=True)
+    ceiling = _warmed(opt, 10)
     assert ceiling.ceiling == pytest.approx(2.0)
     for _ in range(5):  # steps near an incident, or with an episode building: it waits
         ceiling.after_step(_lr(opt), calm=False)
@@ -96,10 +102,7 @@ def test_a_rises_ceiling_stays_flat_on_calm_steps():
 
 def test_a_warming_ceiling_survives_a_state_dict_round_trip():
     opt = _opt(8.0)
-    ceiling = LrCeiling(opt, rewarm=10)
-    ceiling.hold(1.0, rewarm=True)
-    for _ in range(10):
-        ceiling.after_step(_lr(opt), calm=True)
+    ceiling = _warmed(opt, 10)
     other = LrCeiling(opt, rewarm=10)
     other.load_state_dict(ceiling.state_dict())
     assert other.warming and other.ceiling == pytest.approx(2.0)
