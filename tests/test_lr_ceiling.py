@@ -6,15 +6,12 @@ calm steps (a jump the schedule meant trains on at its own rate)."""
 import pytest
 import torch
 
+from earlywarn.capture.updates import learning_rate
 from earlywarn.recover.lrceiling import LrCeiling
 
 
 def _opt(lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
-
-
-def _lr(opt: torch.optim.Optimizer) -> float:
-    return max(g["lr"] for g in opt.param_groups)
 
 
 def _set(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -67,7 +64,7 @@ def _warmed(opt: torch.optim.Optimizer, calm_steps: int) -> LrCeiling:
     ceiling = LrCeiling(opt, rewarm=10)
     ceiling.hold(1.0, rewarm=True)
     for _ in range(calm_steps):
-        ceiling.after_step(_lr(opt), calm=True)
+        ceiling.after_step(learning_rate(opt), calm=True)
     return ceiling
 
 
@@ -79,14 +76,14 @@ def test_a_jumps_ceiling_doubles_every_rewarm_calm_steps_up_to_the_loops_lr():
     ceiling = _warmed(opt, 10)
     assert ceiling.ceiling == pytest.approx(2.0)
     for _ in range(5):  # steps near an incident, or with an episode building: it waits
-        ceiling.after_step(_lr(opt), calm=False)
+        ceiling.after_step(learning_rate(opt), calm=False)
     assert ceiling.ceiling == pytest.approx(2.0)
     for _ in range(60):
-        ceiling.after_step(_lr(opt), calm=True)
+        ceiling.after_step(learning_rate(opt), calm=True)
     assert ceiling.factor(28.0) == 1.0  # caught up: the optimizer steps at the loop's rate
     ceiling.hold(1.0, rewarm=True)
     _set(opt, 0.5)  # the loop's LR under the ceiling (a pulse ended): nothing to warm toward
-    ceiling.after_step(_lr(opt), calm=True)
+    ceiling.after_step(learning_rate(opt), calm=True)
     assert ceiling.ceiling == 1.0
 
 
@@ -96,7 +93,7 @@ def test_a_rises_ceiling_stays_flat_on_calm_steps():
     ceiling = LrCeiling(opt, rewarm=10)
     ceiling.hold(1.0)
     for _ in range(30):
-        ceiling.after_step(_lr(opt), calm=True)
+        ceiling.after_step(learning_rate(opt), calm=True)
     assert ceiling.ceiling == 1.0 and ceiling.factor(10.0) == pytest.approx(0.1)
 
 

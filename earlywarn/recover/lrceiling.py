@@ -37,7 +37,6 @@ class LrCeiling:
         self.release = release
         self.settle = settle
         self.rewarm = rewarm
-        self.growth = 2.0 ** (1.0 / rewarm)
         self.ceiling: float | None = None
         self.warming = False  # the ceiling rises on calm steps (after a jump)
         self.calm = 0  # steps in a row with the loop's learning rate back within release x the ceiling
@@ -59,7 +58,7 @@ class LrCeiling:
         if self.ceiling is None:
             return False
         if self.warming and calm and lr is not None and lr > self.ceiling:
-            self.ceiling *= self.growth
+            self.ceiling *= 2.0 ** (1.0 / self.rewarm)
         self.calm = self.calm + 1 if lr is not None and lr <= self.release * self.ceiling else 0
         if self.calm >= self.settle:
             self.ceiling, self.calm, self.warming = None, 0, False
