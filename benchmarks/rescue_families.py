@@ -10,9 +10,12 @@ Healthy families each contain events that a naive rule mistakes for trouble (a n
 an LR that jumps back up, a loss that moves to a new level and trains down, a loss below zero,
 a gradient that grows when a backbone is unfrozen, an outlier batch that heals, a discriminator
 that spikes, heavy-tailed noise, a batch size that changes, an LR that jumps to a level the run
-never had, a loss whose scale changes 1/32-64x). A fault family draws a base config from a
-healthy family where the fault makes sense, and a fault at a random step (20%-70% of the run). ``hopeless`` runs at an LR 30-300x
-too high from step 0. Nothing here is tuned to any method: ranges are what such runs use.
+never had, a loss whose scale changes 1/32-64x, a gradient that shrinks by orders of magnitude
+as a small training set is memorized, a rarely sampled auxiliary task whose steps are outliers,
+batches masked out whole). A fault family draws a base config from a healthy family where the
+fault makes sense, and a fault at a random step (20%-70% of the run; a bad shard: from a step at
+20%-50% on, 2-12% of the batches corrupt, each alone among good ones). ``hopeless`` runs at an
+LR 30-300x too high from step 0. Nothing here is tuned to any method: ranges are what such runs use.
 """
 
 from __future__ import annotations
@@ -295,6 +298,39 @@ def loss_scale(rng):
     return cfg
 
 
+# Three more, added after those (none was tuned on them): a run that memorizes a small fixed
+# training set (its gradient shrinks by orders of magnitude, so a hard sample is a large relative
+# spike), a rarely sampled auxiliary task (the loss jumps on its steps and its head, idle
+# otherwise, gets a gradient), and batches whose samples are all masked out (a zero loss, zero
+# gradients), as a padded or filtered data stream produces.
+def memorize(rng):
+    task = rng.choice(["regression", "classify"])
+    cfg = base(rng, task, (300, 600))
+    cfg["task"]["pool"] = rng.choice([32, 64, 128, 256])
+    cfg["task"]["width"] = rng.choice([64, 128])
+    if task == "regression":
+        cfg["task"]["noise"] = rng.uniform(0.0, 0.2)
+    else:
+        cfg["task"]["label_noise"] = rng.uniform(0.0, 0.2)
+    return cfg
+
+
+def rare_task(rng):
+    cfg = base(rng, "regression", (250, 500))
+    cfg["task"]["name"] = "multitask"
+    if cfg["opt"]["name"] in ("sgd", "adagrad"):  # a plain SGD step on the rare task's loss jump diverges
+        cfg["opt"] = opt_for(rng, "chargpt")
+    cfg["task"]["aux"] = {"p": loguniform(rng, 0.02, 0.15), "weight": loguniform(rng, 0.3, 3.0),
+                          "scale": loguniform(rng, 0.5, 3.0)}
+    return cfg
+
+
+def empty_batches(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "chargpt", "cnn"]))
+    cfg["events"]["empty"] = {"p": loguniform(rng, 0.01, 0.1)}
+    return cfg
+
+
 # ---------------------------------------------------------------- faults
 FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
                "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
@@ -334,6 +370,14 @@ def _burst(rng, cfg):
             "scale": loguniform(rng, 20, 200)}
 
 
+def _bad_shard(rng, cfg):
+    """From a step on, a fraction ``p`` of the batches are corrupt (a bad shard mixed into the
+    stream): each alone among good ones, corrupt the way a burst's are."""
+    how = "shuffle" if cfg["task"]["name"] == "chargpt" else rng.choice(["scale", "shuffle", "both"])
+    return {"at": frac_step(rng, cfg["steps"], 0.2, 0.5), "p": loguniform(rng, 0.02, 0.12), "how": how,
+            "scale": loguniform(rng, 20, 200)}
+
+
 def _lr_pulse(rng, cfg):
     return {"at": frac_step(rng, cfg["steps"], 0.2, 0.7), "length": rng.randint(10, 30),
             "factor": loguniform(rng, 30, 100)}
@@ -351,6 +395,7 @@ FAULTS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "poisoned_state": (_poisoned_state, FAULT_BASES),
     "huge_grad": (_huge_grad, FAULT_BASES),
     "burst": (_burst, FAULT_BASES),
+    "bad_shard": (_bad_shard, FAULT_BASES),
     "lr_pulse": (_lr_pulse, tuple(f for f in FAULT_BASES if _loop_lr(f))),
     "hopeless": (_hopeless, FAULT_BASES),
 }
@@ -394,7 +439,8 @@ _HEALTHY_MAKERS = {
     "onecycle": (onecycle, 7), "grad_accum": (grad_accum, 7), "transient_heal": (transient_heal, 8),
     "gan": (gan, 6), "lr_warmup": (lr_warmup, 7), "smallbatch": (smallbatch, 6),
     "heavy_tail": (heavy_tail, 7), "batch_change": (batch_change, 7), "lr_jump": (lr_jump, 7),
-    "loss_scale": (loss_scale, 7),
+    "loss_scale": (loss_scale, 7), "memorize": (memorize, 7), "rare_task": (rare_task, 7),
+    "empty_batches": (empty_batches, 7),
 }
 HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
 FAULT_FAMILIES: dict[str, Family] = {

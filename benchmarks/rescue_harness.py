@@ -72,6 +72,11 @@ class Perturb:
         self.task, self.seed = task, config["seed"]
         self.norms: list[float] = []  # recent gradient norms (only tracked for an outlier event)
 
+    def empty(self, it: int, micro: int) -> bool:
+        """Whether the batch of (it, micro) is one whose samples are all masked out (``empty``)."""
+        ev = self.events.get("empty")
+        return bool(ev) and float(torch.rand((), generator=gen(self.seed, "empty", it, micro))) < ev["p"]
+
     def lr_factor(self, it: int) -> float:
         f = self.fault
         if self.kind == "lr_pulse" and f["at"] <= it < f["at"] + f["length"]:
@@ -90,7 +95,9 @@ class Perturb:
             else:
                 b["w"] = torch.ones(n)
                 b["w"][idx] = math.inf if f["how"] == "inf_weight" else math.nan
-        if kind == "burst" and f["at"] <= it < f["at"] + f["length"]:
+        if kind == "burst" and f["at"] <= it < f["at"] + f["length"] or (
+                kind == "bad_shard" and it >= f["at"]
+                and float(torch.rand((), generator=gen(self.seed, "shard", it))) < f["p"]):
             if f["how"] in ("scale", "both"):
                 for key in self.task.float_inputs:
                     b[key] = b[key] * f["scale"]
@@ -226,6 +233,8 @@ def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
         ls = perturb.events.get("loss_scale")
         if ls and it >= ls["at"]:
             loss = loss * ls["factor"]
+        if perturb.empty(it, micro):  # every sample masked out: a zero loss, zero gradients
+            loss = loss * 0.0
         (loss / accum if accum > 1 else loss).backward()
         method.report_loss(k, loss)
         total = total + loss.detach()

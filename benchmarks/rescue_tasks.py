@@ -123,7 +123,16 @@ class Task:
         ramp = self.cfg.get("batch_at")
         if ramp and it >= ramp[0]:
             n = ramp[1]
-        return self.sample(gen(self.seed, "train", it, micro, k), n, self.stage(it))
+        g = gen(self.seed, "train", it, micro, k)
+        if self.cfg.get("pool"):  # a fixed training set, batches drawn from it with replacement
+            idx = torch.randint(0, self.cfg["pool"], (n,), generator=g)
+            return {key: v[idx] for key, v in self.pool_batch.items()}
+        return self.sample(g, n, self.stage(it))
+
+    @functools.cached_property
+    def pool_batch(self) -> dict:
+        """``cfg["pool"]`` samples: the whole training set of a run that memorizes it."""
+        return self.sample(gen(self.seed, "pool"), self.cfg["pool"], 0)
 
     def sample(self, g: torch.Generator, n: int, stage: int) -> dict:
         raise NotImplementedError
@@ -140,8 +149,8 @@ class Task:
         modes = [m.training for m in self.models]
         for m in self.models:
             m.eval()
-        try:
-            return float(self.loss(0, self.eval_batch))
+        try:  # a run on a fixed training set is judged on it (what it optimizes: memorizing it)
+            return float(self.loss(0, self.pool_batch if self.cfg.get("pool") else self.eval_batch))
         finally:
             for m, mode in zip(self.models, modes):
                 m.train(mode)
@@ -188,6 +197,53 @@ class Regression(Task):
 
     def loss(self, k, batch):
         return weighted_mean(F.mse_loss(self.models[0](batch["x"]), batch["y"], reduction="none"), batch)
+
+
+class MultiHead(nn.Module):
+    """A shared trunk with a main head and an auxiliary one."""
+
+    def __init__(self, d: int, width: int, depth: int, act: str):
+        super().__init__()
+        self.trunk = mlp(d, width, depth - 1, width, act) if depth > 1 else nn.Linear(d, width)
+        self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}[act]()
+        self.main = nn.Linear(width, 1)
+        self.aux = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.trunk(x))
+
+
+class MultiTask(Regression):
+    """Regression with an auxiliary task (its own teacher, scaled by ``aux["scale"]``) that only
+    a fraction ``aux["p"]`` of the steps train, at loss weight ``aux["weight"]`` -- a rarely
+    sampled task of a multi-task mix: on its steps the loss jumps and its head, idle (no
+    gradient) the rest of the time, gets one. Eval: both tasks."""
+
+    def __init__(self, cfg: dict, seed: int):
+        super().__init__(cfg, seed)
+        self.aux_teacher = Teacher(cfg["d_in"], (seed, "aux"))
+        torch.manual_seed(seed)
+        self.models = [MultiHead(cfg["d_in"], cfg["width"], cfg["depth"], cfg.get("act", "relu"))]
+
+    def sample(self, g, n, stage):
+        b = super().sample(g, n, stage)
+        b["y2"] = self.cfg["aux"]["scale"] * self.aux_teacher(b["x"]) + self.cfg["noise"] * torch.randn(b["y"].shape, generator=g)
+        b["aux"] = torch.rand((), generator=g) < self.cfg["aux"]["p"]
+        return b
+
+    @functools.cached_property
+    def eval_batch(self):
+        b = self.sample(gen(self.seed, "eval"), EVAL_N, self.last_stage)
+        b["aux"] = torch.tensor(True)
+        return b
+
+    def loss(self, k, batch):
+        m = self.models[0]
+        h = m(batch["x"])
+        loss = weighted_mean(F.mse_loss(m.main(h), batch["y"], reduction="none"), batch)
+        if bool(batch["aux"]):
+            loss = loss + self.cfg["aux"]["weight"] * weighted_mean(F.mse_loss(m.aux(h), batch["y2"], reduction="none"), batch)
+        return loss
 
 
 class GaussNLL(Regression):
@@ -434,7 +490,7 @@ class GAN(Task):
         return float(2 * torch.cdist(fake, real).mean() - torch.cdist(fake, fake).mean() - torch.cdist(real, real).mean())
 
 
-TASKS = {"regression": Regression, "gauss_nll": GaussNLL, "classify": Classify, "chargpt": CharGPT,
+TASKS = {"regression": Regression, "multitask": MultiTask, "gauss_nll": GaussNLL, "classify": Classify, "chargpt": CharGPT,
          "cnn": CNN, "lstm": LSTMRecall, "gan": GAN}
 
 
