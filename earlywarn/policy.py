@@ -91,9 +91,11 @@ class PolicyConfig:
     training while the detector's baseline moves to it. A run ends at a gradient back under
     ``outlier_clip_ratio`` times its typical norm, not at any step under the outlier ratio: in a
     noisy new regime every few steps fall under it, and counting outliers in a row there skipped
-    nine steps in ten until the baseline moved. Outliers right after an update of the run's own
-    that was that large (a part unfrozen: its first update moves the model far) are the run
-    recovering from it, not bad batches: they are applied. The cost: a loop that changes its
+    nine steps in ten until the baseline moved. Outliers at which layers without a gradient get
+    one -- a part unfrozen, or a part idle for steps that trains only on some (a rarely sampled
+    task's head, an expert) -- are the run's own steps, and outliers right after an update of the
+    run's own that was that large (a part unfrozen: its first update moves the model far) are the
+    run recovering from it, not bad batches: both are applied. The cost: a loop that changes its
     loss's scale 20x or more on purpose (a new reduction, a loss weight) has its first 40 steps
     after it skipped -- a burst of bad batches looks the same while it lasts. Such a loop can pass
     0 here: outliers are then clipped from the first, never skipped."""
@@ -393,7 +395,7 @@ class Policy:
         gradients are scaled by)."""
         self.outliers += 1
         if action is Action.SKIP and a.values.get("joined", 0.0):
-            return Action.NONE, None  # a part of the model starts training: its update is the run's own
+            return Action.NONE, None  # a part of the model starts or resumes training: the run's own step
         if action is Action.SKIP and self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None  # the run recovering from its own large update: let it
         if action is not Action.SKIP or self.outliers <= self.cfg.outlier_skips:

@@ -765,3 +765,55 @@ def test_update_allocates_nothing_that_grows():
     end, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert end - mid < 20_000  # bytes: one state's worth of slack, not per-step growth
+
+
+def _rare_head_run(every: int, n: int = 400, seed: int = 3):
+    """Layer 7 is a rarely sampled task's head: 0 (no gradient) except every ``every`` steps from
+    step 100, where the whole gradient is 30x its typical norm (the task's loss is much larger)."""
+    lay, g, loss = _calm_run(n, seed)
+    lay[:, 7] = 0.0
+    rare = list(range(100, n, every))
+    for s in rare:
+        lay[s] *= 30.0
+        lay[s, 7] = 0.05 * 30.0
+    g = np.sqrt((lay ** 2).sum(1))
+    return [_obs(i, g[i], loss[i], lay[i]) for i in range(n)], rare
+
+
+def test_an_outlier_where_an_idle_layer_trains_again_is_the_runs_own():
+    """The steps of a rarely sampled task are outliers at which its idle head (absent for 3 steps or
+    more) has a gradient again: ``joined``, the guard applies them. A layer back from one step at 0
+    (dead units under a corrupt batch) does not count; the idle length survives a state round trip,
+    and the calm path taking the step's set of layers first does not hide it."""
+    obs, rare = _rare_head_run(every=20)
+    sd = StreamingDetector(layer_names=LAYERS)
+    out = [a for o in obs for a in sd.observe(o) if a.kind is Kind.GRAD_OUTLIER]
+    assert [a.step for a in out] == rare
+    assert all(a.values["joined"] == 1.0 and "trains only on some steps" in a.message for a in out)
+    # every 6th step: the head matures after 20 of them, and from then on the calm path takes each
+    # step's set of layers before the outlier sends the step to the general path
+    obs6, rare6 = _rare_head_run(every=6, n=500)
+    sd = StreamingDetector(layer_names=LAYERS)
+    out = [a for o in obs6 for a in sd.observe(o) if a.kind is Kind.GRAD_OUTLIER]
+    assert [a.step for a in out] == rare6 and all(a.values["joined"] == 1.0 for a in out)
+
+    # resumed mid-run from a saved state: the same alerts, bit for bit
+    whole = StreamingDetector(layer_names=LAYERS)
+    want = _alerts_key([a for o in obs for a in whole.observe(o)])
+    first = StreamingDetector(layer_names=LAYERS)
+    got = [a for o in obs[:259] for a in first.observe(o)]  # the head idle since 241, back at 260
+    second = StreamingDetector(layer_names=LAYERS)
+    second.load_state_dict(json.loads(json.dumps({k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                                                  for k, v in first.state_dict().items()})))
+    got += [a for o in obs[259:] for a in second.observe(o)]
+    assert _alerts_key(got) == want
+
+    # the head at 0 for one step only, just before the outlier: not idle, the outlier is not joined
+    lay, g, loss = _calm_run(300, seed=4)
+    lay[199, 7] = 0.0
+    lay[200] *= 30.0
+    g = np.sqrt((lay ** 2).sum(1))
+    sd = StreamingDetector(layer_names=LAYERS)
+    out = [a for i in range(300) for a in sd.observe(_obs(i, g[i], loss[i], lay[i])) if a.kind is Kind.GRAD_OUTLIER]
+    assert [a.step for a in out] == [200] and out[0].values["joined"] == 0.0
+    assert "inflate the optimizer's moments" in out[0].message

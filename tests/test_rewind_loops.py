@@ -395,3 +395,61 @@ def test_an_lr_jump_the_run_does_not_take_is_rewound_to_the_copy_taken_before_it
     held = [e for e in ew.events if e.signal == "lr_ceiling" and "a jump" in e.message]
     assert held and held[0].values["lr_ceiling"] == pytest.approx(2e-2)  # stepped at the LR it had survived
     ew.close()
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+        self.main = nn.Linear(32, 1)
+        self.aux = nn.Linear(32, 1)
+
+
+def _rare_task_loop(*, set_to_none=True, shared_head=False, steps=200):
+    """A multi-task loop whose auxiliary task is drawn every 15th step from step 60: its loss is
+    ~100x the main one, so each of its steps has an outlier gradient, and (unless ``shared_head``)
+    its own head gets a gradient only then. -> (the watcher, the steps at which the aux head's
+    weights moved, the aux steps)."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ew = earlywarn.watch(model, opt, sinks=[])
+    g = torch.Generator().manual_seed(1)
+    aux_steps, moved = list(range(60, steps, 15)), []
+    for step in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        h = model.trunk(x)
+        loss = nn.functional.mse_loss(model.main(h), x @ W)
+        if step in aux_steps:
+            head = model.main if shared_head else model.aux
+            loss = loss + nn.functional.mse_loss(head(h), 40.0 * torch.sin(x @ W))
+        opt.zero_grad(set_to_none=set_to_none)
+        loss.backward()
+        ew.report_loss(loss)
+        before = model.aux.weight.detach().clone()
+        opt.step()
+        if not torch.equal(before, model.aux.weight):
+            moved.append(step)
+    ew.close()
+    return ew, moved, aux_steps
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_rarely_drawn_task_with_its_own_head_is_trained_on(set_to_none, tmp_path, monkeypatch):
+    """Its steps are outliers at which its head, idle since its last one, has a gradient again:
+    the run's own kind of step, applied (its head moves at each), never skipped or rewound. A
+    head left at 0 (``zero_grad(set_to_none=False)``) is idle the same way."""
+    monkeypatch.setenv("EARLYWARN_OUTPUT_DIR", str(tmp_path))  # where a quarantine file would go
+    ew, moved, aux_steps = _rare_task_loop(set_to_none=set_to_none)
+    outliers = [e for e in ew.events if e.kind == Kind.GRAD_OUTLIER]
+    assert len(outliers) >= 4 and {e.step for e in outliers} <= set(aux_steps), [e.step for e in outliers]
+    assert all(e.values["joined"] == 1.0 and "trains only on some steps" in e.message for e in outliers)
+    assert ew.counters["skipped_steps"] == 0 and ew.counters["rewinds"] == 0
+    assert not any(e.level >= Level.CRITICAL for e in ew.events)
+    if set_to_none:  # (left at 0, AdamW's momentum and decay move it every step)
+        assert {e.step for e in outliers} <= set(moved)
+    # the same task through the shared head: no part of the model tells its steps from corrupt
+    # batches of the usual kind, and its outliers are skipped (a known cost, docs/benchmarks.md)
+    ew, _, aux_steps = _rare_task_loop(shared_head=True)
+    outliers = [e.step for e in ew.events if e.kind == Kind.GRAD_OUTLIER]
+    assert outliers and [e.step for e in ew.events if e.kind == Kind.SKIP] == outliers

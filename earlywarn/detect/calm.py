@@ -45,7 +45,7 @@ def calm_update_values(w: Work, u: float | None, p: float | None) -> bool:
     return True
 
 
-def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int) -> bool:
+def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int, step: int) -> bool:
     """Layer norms of which ``nz`` are not 0: layers reporting 0 are absent (a frozen layer, an
     expert no token was routed to); NaN and negative values are not calm. Another set of absent
     layers than last step is calm when every layer present is mature: the set is then taken as
@@ -63,8 +63,7 @@ def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int) -> bool:
         _logical_and(young, lm, young)
         if cnz(young):
             return False  # a layer still warming up: the general path admits its values
-        np.copyto(w.layer_present, lm)
-        w.n_present = nz
+        w.set_presence(lm, step)
         w.refresh(t)
     _np_log(ln, out=w.logv_layers, where=w.layer_present, dtype=_F64)
     return True

@@ -190,8 +190,9 @@ class DetectorConfig:
     guard skips that update by default: an Adam second moment inflated by a 1e4x gradient
     stalls the run for thousands of steps). ``values["steps"]`` counts outliers in a row,
     ``values["loss_ratio"]`` says whether the loss moved too, ``values["joined"]`` whether layers
-    that had no gradient got one (a part unfrozen: its update is the run's own, the guard applies
-    it). On the generated runs of ``benchmarks/rescue.py`` healthy runs reach 10-16x on one step
+    that had no gradient got one (a part unfrozen), or layers idle for 3 steps or more got one
+    again (a part that trains only on some steps: a rarely sampled task's head, an expert): either
+    way the step is the run's own, and the guard applies it. On the generated runs of ``benchmarks/rescue.py`` healthy runs reach 10-16x on one step
     (an outlier batch, a late unfreeze, a domain switch of the inputs) and faults 40x-1e6x.
     ``inf`` turns the rule off."""
 

@@ -228,7 +228,7 @@ class Detector:
                     _np_log(ln, w.logv_layers)
                 else:  # computed in float64, as the general path does
                     _np_log(ln, out=w.logv_layers, dtype=np.float64)
-            elif not calm_frozen_layers(self.thresholds, w, ln, nz):
+            elif not calm_frozen_layers(self.thresholds, w, ln, nz, obs.step):
                 return self._general(w, obs, pattern)
         lrs = None
         if lr is not None:

@@ -350,17 +350,22 @@ def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Troubl
     w.ep_warned = True  # said now, at the step itself: no spike info when the episode ends
     loss_ratio = math.exp(float(d.dev[LOSS])) if d.judged[LOSS] else NAN
     return [messages.outlier_event(obs, w, float(d.dev[GRAD]), loss_ratio, ordered_layers(w, d, t.cfg.max_layers_listed),
-                                   joined=_layers_joined(w, d))]
+                                   joined=_layers_joined(w, d, int(obs.step)))]
 
 
-def _layers_joined(w: Work, d: Deviations) -> bool:
-    """Layers that never had a gradient have one now (a frozen part unfrozen): the global norm's
-    jump is theirs, the run's own. (A layer back from one step at 0 -- dead units under a corrupt
-    batch -- has a history: it does not count.)"""
-    if not w.n_layers or not w.has_dev:
-        return False
-    le = w.layers_end
-    return bool(np.any(d.present[N_FIXED:le] & ~w.layer_present & (w.count[N_FIXED:le] == 0)))
+def _layers_joined(w: Work, d: Deviations, step: int) -> str:
+    """Why the global norm's jump is the run's own, if it is: ``"new"`` -- layers that never had a
+    gradient have one now (a frozen part unfrozen); ``"idle"`` -- layers absent for IDLE_STEPS
+    steps or more have one again (a part that trains only on some steps: a rarely sampled task's
+    head, an expert), so this step is another kind of step, not a corrupt one of the usual kind.
+    ``""`` otherwise. (A layer back from a step or two at 0 -- dead units under a corrupt batch --
+    does not count.) The calm path may have taken this step's set of layers already."""
+    if not w.n_layers or not w.has_dev or not d.present[N_FIXED:w.layers_end].any():
+        return ""
+    present = d.present[N_FIXED:w.layers_end]
+    if np.any(present & ~w.layer_present & (w.count[N_FIXED:w.layers_end] == 0)):
+        return "new"
+    return "idle" if w.back_idle_at == step or w.back_from_idle(present, step) else ""
 
 
 def early(t: Thresholds, w: Work, obs: Observation, d: Deviations, v: Values) -> list[Event]:
@@ -521,10 +526,10 @@ def commit(t: Thresholds, w: Work, obs: Observation, pattern: int, bad: Trouble,
     w.dev_nan = not bool(d.judged.all())
     w.pattern = pattern
     if pattern & LAYERS_BIT:  # layers reporting 0 are absent: the calm path expects the same ones
-        np.copyto(w.layer_present, d.present[N_FIXED:le])
+        w.set_presence(d.present[N_FIXED:le], w.step)
     else:
         w.layer_present[:] = True
-    w.n_present = int(cnz(w.layer_present))
+        w.n_present = w.n_layers
     mature = w.count >= t.mature_n
     expected_mature = True
     for bit, c in PATTERN_BITS:

@@ -148,23 +148,30 @@ def spike_event(obs: Observation, w: Work) -> Event:
         batch=obs.batch)
 
 
+_JOINED = {
+    "new": " Layers without a gradient before have one now: a part of the model starts training.",
+    "idle": (" Layers idle for steps have a gradient again: a part of the model that trains only on some "
+             "steps (a rarely sampled task, an expert) trains at this one."),
+}
+
+
 def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, layers: tuple[str, ...],
-                  joined: bool = False) -> Event:
+                  joined: str = "") -> Event:
     """GRAD_OUTLIER: a finite gradient far above its typical norm, at its own step. ``joined``:
-    layers that had no gradient at the last step have one now (a part of the model unfrozen)."""
+    ``"new"``, layers that never had a gradient have one now (a part of the model unfrozen);
+    ``"idle"``, layers idle for a while have one again (see ``general._layers_joined``)."""
     base = math.exp(float(w.baseline[GRAD]))
     ratio = math.exp(dev)
     where = f", first in {layers[0]}" if layers else ""
     run = f" ({w.outliers} in a row)" if w.outliers > 1 else ""
     loss = ("; the loss too is " + times(loss_ratio) + " its baseline") if loss_ratio == loss_ratio and loss_ratio >= 1.5 else ""
-    why = (" Layers without a gradient before have one now: a part of the model starts training." if joined else
-           " Applied, it would inflate the optimizer's moments for thousands of steps.")
+    why = _JOINED.get(joined, " Applied, it would inflate the optimizer's moments for thousands of steps.")
     return Event(
         step=int(obs.step), kind=Kind.GRAD_OUTLIER, level=Level.WARNING, signal="grad_norm", layers=layers,
         message=(f"Outlier gradient at step {obs.step}: grad_norm {fmt(ratio * base)} is {times(ratio)} its "
                  f"typical {fmt(base)}{where}{run}{loss}.{why}"),
         values={"ratio": ratio, "value": ratio * base, "baseline": base, "loss_ratio": loss_ratio,
-                "steps": float(w.outliers), "joined": float(joined)},
+                "steps": float(w.outliers), "joined": float(bool(joined))},
         batch=obs.batch)
 
 

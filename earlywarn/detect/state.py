@@ -86,6 +86,7 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("level", "int", 0, "the worst level raised at the latest step"),
     StateField("hot", "bool", False, "some STREAK / GROW / PREV entry is non-zero"),
     StateField("absent", "positions", (), "layers (by position) reporting 0 under the pattern"),
+    StateField("absent_since", "positions", (), "the step each of them went absent (aligned with absent)"),
 )
 SCALARS = tuple(f.name for f in STATE_FIELDS if f.kind in ("int", "float", "bool"))
 """The scalar fields: attributes of the working state under the same names."""

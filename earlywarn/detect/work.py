@@ -10,6 +10,11 @@ from earlywarn.detect.state import (COUNT, CUSUM, EXTRAS, GROW, LAYERS_BIT, LR_B
                                     PATTERN_BITS, PREV, SCALARS, SCALE, STREAK, USER, USER_BIT, WIDTH,
                                     DetectorState)
 
+IDLE_STEPS = 3
+"""Steps a layer must have been absent (no gradient, or 0) for its return to be a part of the model
+that trains only on some steps (a rarely sampled task's head, an expert) and not a layer that a
+corrupt batch left at 0 for a step."""
+
 try:  # the C function itself: np.count_nonzero adds a Python wrapper and a dispatcher per call
     from numpy._core._multiarray_umath import count_nonzero as cnz
 except ImportError:  # pragma: no cover - older numpy layouts
@@ -45,8 +50,9 @@ class Work:
         "rates", "keep", "h_alone", "h_together", "consts", "incr", "incr_mu", "incr_width", "ok", "layers_ok",
         "z_scratch",
         # layers present under the pattern (a layer reporting 0 is absent) and how many; a scratch
-        # mask for the calm path's test of another set of them
-        "layer_present", "n_present", "layers_scratch",
+        # mask for the calm path's test of another set of them; the step each absent layer went
+        # absent, and the latest step at which a layer came back from IDLE_STEPS or more absent
+        "layer_present", "n_present", "layers_scratch", "absent_since", "back_idle_at",
         # dev holds NaN (absent / not warm channels, set by the general path); dev was computed
         "dev_nan", "has_dev",
         # the lr ring (DetectorState.lr_ring, as a list)
@@ -82,6 +88,8 @@ class Work:
         self.layers_ok = np.zeros(self.n_layers, dtype=bool)
         self.layers_scratch = np.zeros(self.n_layers, dtype=bool)
         self.n_present = self.n_layers
+        self.absent_since = np.zeros(self.n_layers, dtype=np.int64)
+        self.back_idle_at = -1
         self.z_scratch = np.zeros(n)
         self.dev_nan = False
         self.has_dev = False
@@ -105,6 +113,8 @@ class Work:
         w.layer_present[:] = True
         w.layer_present[list(s.absent)] = False
         w.n_present = int(cnz(w.layer_present))
+        # (a state saved before absent_since was kept: its absent layers count from the saved step)
+        w.absent_since[list(s.absent)] = s.absent_since if len(s.absent_since) == len(s.absent) else s.step
         K = t.lr_ref_steps
         w.lr_ring = list(s.lr_ring) if len(s.lr_ring) == K else [0.0] * K
         if len(s.lr_ring) != K:  # saved under another lr_ref_steps: the ring starts over
@@ -113,7 +123,22 @@ class Work:
         w.refresh(t)
         return w
 
+    def set_presence(self, present: np.ndarray, step: int) -> None:
+        """The layers present at ``step`` (norm > 0) become the set the next step expects;
+        remembers when each absent one went absent, and whether one came back at this step."""
+        if self.back_from_idle(present, step):
+            self.back_idle_at = step
+        self.absent_since[self.layer_present & ~present] = step
+        np.copyto(self.layer_present, present)
+        self.n_present = int(cnz(present))
+
+    def back_from_idle(self, present: np.ndarray, step: int) -> bool:
+        """A layer absent at the last step, for IDLE_STEPS steps or more, is present at ``step``
+        (one never present before included)."""
+        return bool(cnz(present & ~self.layer_present & (step - self.absent_since >= IDLE_STEPS)))
+
     def snapshot(self, t: Thresholds) -> DetectorState:
+        absent = np.flatnonzero(~self.layer_present)
         stats = np.zeros((N_ROWS, self.n))
         stats[MU], stats[SCALE], stats[COUNT] = self.baseline, self.width / t.admit_z, self.count
         stats[WIDTH] = self.width
@@ -122,7 +147,8 @@ class Work:
         stats[CUSUM, self.layers_end:] = self.cusums[N_FIXED:]
         return DetectorState(
             channels=self.channels, stats=stats, dev=self.dev.copy() if self.has_dev else None,
-            lr_ring=tuple(self.lr_ring), absent=tuple(int(i) for i in np.flatnonzero(~self.layer_present)),
+            lr_ring=tuple(self.lr_ring), absent=tuple(int(i) for i in absent),
+            absent_since=tuple(int(v) for v in self.absent_since[absent]),
             **{name: getattr(self, name) for name in SCALARS})
 
     def expected(self) -> np.ndarray:
