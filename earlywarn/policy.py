@@ -266,6 +266,8 @@ class PolicyDecision:
     the loop's is above it (a divergence a rising learning rate led into)."""
     clip_factor: float | None = None
     """Scale this step's gradients by this before its update (a persistent outlier, clipped)."""
+    clip_note: str = ""
+    """Why the step is clipped and not skipped, when it is not one more in a long run of outliers."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
 
@@ -279,6 +281,14 @@ class PolicyDecision:
 
 
 _NOTHING = PolicyDecision()  # a calm step's decision (immutable: one for all)
+
+IDLE_STEP_CAP = 100.0
+"""An outlier at which a part of the model idle for steps trains again (a rarely sampled task's
+head, an expert) is the run's own kind of step and is applied, scaled down to this many typical
+norms if above: the rare tasks of ``benchmarks/rescue.py`` reach ~70x, and where idle experts come
+back at many steps a 1e4x gradient must not pass whole."""
+
+_IDLE_NOTE = "a part of the model idle for steps trains again (the run's own kind of step), bounded"
 
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
 
@@ -326,7 +336,7 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy, hold_target, clip = 0, None, False, False, None
+        back, ceiling, lr_copy, hold_target, clip, clip_idle = 0, None, False, False, None, False
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
         nonfinite_now = warned_now = False
@@ -339,6 +349,7 @@ class Policy:
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
             if a.kind is Kind.GRAD_OUTLIER:
                 action, clip = self._outlier(a, action, t)
+                clip_idle = bool(a.values.get("idle", 0.0))
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and "lr_ref" in a.values and cfg.lr_probe_steps:
@@ -386,7 +397,8 @@ class Policy:
             onset_back=back if Action.REWIND in wanted else 0,
             lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None,
-            clip_factor=clip if Action.CLIP in wanted and not restores else None)
+            clip_factor=clip if Action.CLIP in wanted and not restores else None,
+            clip_note=_IDLE_NOTE if clip is not None and clip_idle and Action.CLIP in wanted and not restores else "")
 
     # -- the rules that read more than one alert -----------------------------------------------
     def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None]:
@@ -394,13 +406,17 @@ class Policy:
         after a large update of the run's own are applied (-> the action, and the factor the
         gradients are scaled by)."""
         self.outliers += 1
+        ratio = a.values.get("ratio", math.nan)
         if action is Action.SKIP and a.values.get("joined", 0.0):
-            return Action.NONE, None  # a part of the model starts or resumes training: the run's own step
+            # a part of the model starts or resumes training: the run's own step; one that resumes
+            # (idle experts may come back at any step) is bounded
+            if a.values.get("idle", 0.0) and ratio > IDLE_STEP_CAP:
+                return Action.CLIP, IDLE_STEP_CAP / ratio
+            return Action.NONE, None
         if action is Action.SKIP and self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None  # the run recovering from its own large update: let it
         if action is not Action.SKIP or self.outliers <= self.cfg.outlier_skips:
             return action, None
-        ratio = a.values.get("ratio", math.nan)
         if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
             return Action.NONE, None
         return Action.CLIP, self.cfg.outlier_clip_ratio / ratio

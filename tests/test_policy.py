@@ -278,6 +278,26 @@ def test_outliers_right_after_a_large_update_of_the_runs_own_are_applied():
     assert all(not p.decide(s, out(s), Evidence(12.0, 6.0)).actions for s in range(51, 70))
 
 
+def test_an_outlier_where_an_idle_part_trains_again_is_applied_and_bounded():
+    """A rarely sampled task's step (its head idle since its last one): the run's own kind of step,
+    applied as it is up to IDLE_STEP_CAP typical norms; a 1e4x gradient where an idle expert came
+    back is scaled down to the cap, not applied whole."""
+    from earlywarn.policy import IDLE_STEP_CAP, Evidence
+
+    p = Policy()
+    idle = lambda s, ratio: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=80.0, steps=1, joined=1.0, idle=1.0)]
+    assert not p.decide(50, idle(50, 45.0), Evidence(45.0, 80.0)).actions
+    for s in range(51, 60):
+        p.decide(s, [], Evidence(1.0, 1.0))
+    d = p.decide(60, idle(60, 1e4), Evidence(1e4, 80.0))
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(IDLE_STEP_CAP / 1e4)
+    assert "idle for steps trains again" in d.clip_note
+    # the first time a part trains (joined, not idle: a late unfreeze) is applied whole, as before
+    q = Policy()
+    assert not q.decide(50, [ev(50, Kind.GRAD_OUTLIER, ratio=1e4, loss_ratio=1.0, steps=1, joined=1.0)],
+                        Evidence(1e4, 1.0)).actions
+
+
 def test_a_diverged_loss_is_rewound_only_after_an_abnormal_update_and_to_before_it():
     cfg = PolicyConfig(on_grad_outlier="none")  # the outlier is taken in full, then the loss rises
     p = Policy(cfg)

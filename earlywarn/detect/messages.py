@@ -171,7 +171,8 @@ def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, laye
         message=(f"Outlier gradient at step {obs.step}: grad_norm {fmt(ratio * base)} is {times(ratio)} its "
                  f"typical {fmt(base)}{where}{run}{loss}.{why}"),
         values={"ratio": ratio, "value": ratio * base, "baseline": base, "loss_ratio": loss_ratio,
-                "steps": float(w.outliers), "joined": float(bool(joined))},
+                "steps": float(w.outliers), "joined": float(bool(joined)),
+                "idle": float(joined == "idle")},
         batch=obs.batch)
 
 

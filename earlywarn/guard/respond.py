@@ -60,7 +60,8 @@ class Responses:
 
     # -- a clipped step -------------------------------------------------------------------------------
     def clip(self, decision: Decision, tag: StepTag) -> None:
-        """An outlier in a long run of them: its gradients are scaled down before the update."""
+        """An outlier in a long run of them, or a large one where an idle part trains again: its
+        gradients are scaled down before the update."""
         factor = decision.policy.clip_factor
         self.statistics.scale_gradients(factor)
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
@@ -68,9 +69,11 @@ class Responses:
         self.telemetry.emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
-            message=(f"outlier gradient ({ratio:.3g}x its typical norm), one more in a long run of them: scaled by {factor:.3g} "
-                     f"to {ratio * factor:.3g}x its typical norm before the update (a long burst of bad batches "
-                     "does bounded damage; a new regime keeps training while the baseline moves to it)"),
+            message=(f"outlier gradient ({ratio:.3g}x its typical norm), "
+                     f"{decision.policy.clip_note or 'one more in a long run of them'}: scaled by {factor:.3g} "
+                     f"to {ratio * factor:.3g}x its typical norm before the update"
+                     + ("" if decision.policy.clip_note else " (a long burst of bad batches does bounded damage; a "
+                        "new regime keeps training while the baseline moves to it)")),
             values={"clip_factor": factor, "ratio": ratio}, batch=_batch_index(tag)))
 
     # -- a skipped step -------------------------------------------------------------------------------
