@@ -331,6 +331,21 @@ def empty_batches(rng):
     return cfg
 
 
+# One more, added after those (no rule was tuned on it): a loss weight ramped up or down over part
+# of the run, as KL annealing or a consistency loss's ramp-up does -- the loss and the gradient move
+# together, steadily, by 4-100x; Adam/AdamW, whose update does not mind the scale.
+def loss_ramp(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "chargpt", "cnn"]))
+    if cfg["opt"]["name"] not in ("adam", "adamw"):
+        cfg["opt"] = opt_for(rng, "chargpt")
+    n = cfg["steps"]
+    factor = loguniform(rng, 4.0, 100.0)
+    cfg["events"]["loss_ramp"] = {"at": frac_step(rng, n, 0.1, 0.5), "length": max(2, int(rng.uniform(0.05, 0.4) * n)),
+                                  "factor": factor if rng.random() < 0.75 else 1.0 / factor,
+                                  "shape": rng.choice(["linear", "geometric", "sigmoid"])}
+    return cfg
+
+
 # ---------------------------------------------------------------- faults
 FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
                "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
@@ -440,7 +455,7 @@ _HEALTHY_MAKERS = {
     "gan": (gan, 6), "lr_warmup": (lr_warmup, 7), "smallbatch": (smallbatch, 6),
     "heavy_tail": (heavy_tail, 7), "batch_change": (batch_change, 7), "lr_jump": (lr_jump, 7),
     "loss_scale": (loss_scale, 7), "memorize": (memorize, 7), "rare_task": (rare_task, 7),
-    "empty_batches": (empty_batches, 7),
+    "empty_batches": (empty_batches, 7), "loss_ramp": (loss_ramp, 7),
 }
 HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
 FAULT_FAMILIES: dict[str, Family] = {

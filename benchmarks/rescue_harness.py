@@ -77,6 +77,19 @@ class Perturb:
         ev = self.events.get("empty")
         return bool(ev) and float(torch.rand((), generator=gen(self.seed, "empty", it, micro))) < ev["p"]
 
+    def loss_weight(self, it: int) -> float:
+        """The loss's weight at step ``it``: 1, or ramped toward ``factor`` (``loss_ramp``) -- linear,
+        geometric, or a sigmoid as a consistency loss's ramp-up -- from ``at`` over ``length`` steps."""
+        ev = self.events.get("loss_ramp")
+        if not ev or it < ev["at"]:
+            return 1.0
+        t = min(1.0, (it - ev["at"]) / ev["length"])
+        if ev["shape"] == "geometric":
+            return ev["factor"] ** t
+        if ev["shape"] == "sigmoid":  # exp(-5 (1 - t)^2), scaled to run from 0 to 1
+            t = (math.exp(-5.0 * (1.0 - t) ** 2) - math.exp(-5.0)) / (1.0 - math.exp(-5.0))
+        return 1.0 + (ev["factor"] - 1.0) * t
+
     def lr_factor(self, it: int) -> float:
         f = self.fault
         if self.kind == "lr_pulse" and f["at"] <= it < f["at"] + f["length"]:
@@ -233,6 +246,8 @@ def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
         ls = perturb.events.get("loss_scale")
         if ls and it >= ls["at"]:
             loss = loss * ls["factor"]
+        if "loss_ramp" in perturb.events:
+            loss = loss * perturb.loss_weight(it)
         if perturb.empty(it, micro):  # every sample masked out: a zero loss, zero gradients
             loss = loss * 0.0
         (loss / accum if accum > 1 else loss).backward()
