@@ -95,10 +95,12 @@ class PolicyConfig:
     one -- a part unfrozen, or a part idle for steps that trains only on some (a rarely sampled
     task's head, an expert) -- are the run's own steps, and outliers right after an update of the
     run's own that was that large (a part unfrozen: its first update moves the model far) are the
-    run recovering from it, not bad batches: both are applied. The cost: a loop that changes its
-    loss's scale 20x or more on purpose (a new reduction, a loss weight) has its first 40 steps
-    after it skipped -- a burst of bad batches looks the same while it lasts. Such a loop can pass
-    0 here: outliers are then clipped from the first, never skipped."""
+    run recovering from it, not bad batches: both are applied. A run the gradient climbed into
+    over several elevated steps (a loss weight ramped up) is applied with its growth bounded
+    (``CLIMB_GROWTH``). The cost: a loop that changes its loss's scale 20x or more in one step on
+    purpose (a new reduction, a loss weight) has its first 40 steps after it skipped -- a burst of
+    bad batches looks the same while it lasts. Such a loop can pass 0 here: outliers are then
+    clipped from the first, never skipped."""
 
     outlier_clip_ratio: float = 3.0
     """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
@@ -128,7 +130,14 @@ class PolicyConfig:
     """A LOSS_DIVERGED warning also rewinds when the learning rate rose at least this much over the
     ``divergence_lookback`` steps before the loss began to rise (a ramp the run could not take):
     the rewind then holds the learning rate at the restored state's while the loop's stays above
-    it. Together with ``on_recurrence`` a ramp without end trains on at the highest rate it took."""
+    it. Together with ``on_recurrence`` a ramp without end trains on at the highest rate it took.
+    Only a rate still rising into the loss's rise counts: see ``lr_rise_settle``."""
+
+    lr_rise_settle: int = 10
+    """See ``lr_rise_ratio``: a learning rate the run had reached this many steps or more before its
+    loss began to rise is one it took calmly, and did not lead into the rise (a warm-up that ended
+    40 steps before a change in the data). The LR counts as reached where it first came within 5%
+    of its highest in the lookback."""
 
     on_grad_spike: Action | str = Action.NONE
     """GRAD_SPIKE (info): an isolated spike that already recovered; nothing to do."""
@@ -182,7 +191,7 @@ class PolicyConfig:
                                      "use none, checkpoint, skip, rewind or halt")
         for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
                      "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds_per_window",
-                     "rewind_window", "outlier_skips", "lr_probe_steps", "divergence_lookback"):
+                     "rewind_window", "outlier_skips", "lr_probe_steps", "divergence_lookback", "lr_rise_settle"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use an int >= 0")
@@ -290,6 +299,19 @@ back at many steps a 1e4x gradient must not pass whole."""
 
 _IDLE_NOTE = "a part of the model idle for steps trains again (the run's own kind of step), bounded"
 
+CLIMB_STEPS = 3
+"""See ``CLIMB_GROWTH``: the elevated steps in a row before a run of outliers that make it a climb."""
+
+CLIMB_GROWTH = 3.0
+"""A run of outliers whose first came at most this many times the step before's gradient, itself
+``outlier_clip_ratio`` times its typical norm or more and elevated for ``CLIMB_STEPS`` steps in a
+row, climbed into the outliers: a loss weight ramped up (KL annealing, a consistency loss's
+ramp-up), a regime moving over several steps. A burst of corrupt batches jumps there from an
+ordinary step. A climb is applied, its growth bounded to this factor a step over the scale it has
+reached: skipping it held ramped runs for 40 steps, and a 1e4x batch inside it passes bounded."""
+
+_CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
+
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
 
 
@@ -310,6 +332,7 @@ class Policy:
         self.last_rewind = -(1 << 60)
         self.rewinds: deque[int] = deque()
         self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
+        self.climb = math.nan  # in a run that climbed into the outliers: the ratio it has reached (CLIMB_GROWTH)
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
@@ -336,7 +359,7 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy, hold_target, clip, clip_idle = 0, None, False, False, None, False
+        back, ceiling, lr_copy, hold_target, clip, clip_note = 0, None, False, False, None, ""
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
         nonfinite_now = warned_now = False
@@ -348,8 +371,7 @@ class Policy:
             warned_now |= a.kind is Kind.COLLAPSE_RISK
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
             if a.kind is Kind.GRAD_OUTLIER:
-                action, clip = self._outlier(a, action, t)
-                clip_idle = bool(a.values.get("idle", 0.0))
+                action, clip, clip_note = self._outlier(a, action, t)
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and "lr_ref" in a.values and cfg.lr_probe_steps:
@@ -398,28 +420,37 @@ class Policy:
             lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None,
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
-            clip_note=_IDLE_NOTE if clip is not None and clip_idle and Action.CLIP in wanted and not restores else "")
+            clip_note=clip_note if clip is not None and Action.CLIP in wanted and not restores else "")
 
     # -- the rules that read more than one alert -----------------------------------------------
-    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None]:
+    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str]:
         """The first ``outlier_skips`` outliers of a run are skipped, the rest clipped; those right
-        after a large update of the run's own are applied (-> the action, and the factor the
-        gradients are scaled by)."""
+        after a large update of the run's own are applied, and a run that climbed into the
+        outliers is applied with its growth bounded (-> the action, the factor the gradients are
+        scaled by, and why)."""
         self.outliers += 1
         ratio = a.values.get("ratio", math.nan)
         if action is Action.SKIP and a.values.get("joined", 0.0):
             # a part of the model starts or resumes training: the run's own step; one that resumes
             # (idle experts may come back at any step) is bounded
             if a.values.get("idle", 0.0) and ratio > IDLE_STEP_CAP:
-                return Action.CLIP, IDLE_STEP_CAP / ratio
-            return Action.NONE, None
+                return Action.CLIP, IDLE_STEP_CAP / ratio, _IDLE_NOTE
+            return Action.NONE, None, ""
         if action is Action.SKIP and self.big_applied is not None and t - self.big_applied <= 3:
-            return Action.NONE, None  # the run recovering from its own large update: let it
+            return Action.NONE, None, ""  # the run recovering from its own large update: let it
+        prev = a.values.get("prev_ratio", 1.0)
+        if (action is Action.SKIP and self.outliers == 1 and prev >= self.cfg.outlier_clip_ratio
+                and a.values.get("prev_elevated", 0.0) >= CLIMB_STEPS and ratio <= CLIMB_GROWTH * prev):
+            self.climb = prev  # the run climbed here: from now on its growth is bounded, not skipped
+        if action is Action.SKIP and self.climb == self.climb:
+            allowed = CLIMB_GROWTH * self.climb
+            self.climb = min(ratio, allowed) if ratio == ratio else allowed
+            return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, _CLIMB_NOTE)
         if action is not Action.SKIP or self.outliers <= self.cfg.outlier_skips:
-            return action, None
+            return action, None, ""
         if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
-            return Action.NONE, None
-        return Action.CLIP, self.cfg.outlier_clip_ratio / ratio
+            return Action.NONE, None, ""
+        return Action.CLIP, self.cfg.outlier_clip_ratio / ratio, ""
 
     def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
         """A loss far above its level is rewound only when the run's own updates led into it: an
@@ -430,9 +461,12 @@ class Policy:
         ab = self.abnormal
         if ab is not None and onset - cfg.divergence_lookback <= ab < onset:
             return Action.REWIND, t - ab + 1, False
-        before = [lr for k, lr in self.lrs if onset - cfg.divergence_lookback <= k <= onset]
-        if before and before[0] > 0.0 and max(before) >= cfg.lr_rise_ratio * before[0]:
-            return Action.REWIND, 0, True
+        before = [(k, lr) for k, lr in self.lrs if onset - cfg.divergence_lookback <= k <= onset]
+        if before and before[0][1] > 0.0:
+            top = max(lr for _, lr in before)
+            reached = next(k for k, lr in before if lr >= 0.95 * top)
+            if top >= cfg.lr_rise_ratio * before[0][1] and onset - reached < cfg.lr_rise_settle:
+                return Action.REWIND, 0, True
         reasons.append(f"no rewind for {a.kind} at step {a.step}: the loss rose with no abnormal update and no "
                        "rising learning rate before it (a change in the data?); a rewind would meet the same data again")
         return Action.NONE, 0, False
@@ -476,15 +510,18 @@ class Policy:
         """What the update of this step (when it is applied) leaves for later judgements."""
         kinds = {a.kind for a in alerts}
         if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
-            self.outliers = 0  # the gradient is back near its typical norm: a run of outliers is over
+            self.outliers, self.climb = 0, math.nan  # the gradient is back near its typical norm: the run is over
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
                 self.abnormal, self.probe, self.outliers, self.big_applied = None, None, 0, None
+                self.climb = math.nan
                 self.lrs.clear()
             return
-        if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions or self.probe is not None and self.probe[1] == t:
+        # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)
+        applied = Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions and self.climb != self.climb
+        if applied or self.probe is not None and self.probe[1] == t:
             self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
-        if Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions:
+        if applied:
             self.big_applied = t  # an outlier-sized update of the run's own: what follows may be its recovery
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
@@ -536,7 +573,9 @@ class Policy:
         return {"tick": self.tick, "nonfinite_streak": self.nonfinite_streak,
                 "last_checkpoint": self.last_checkpoint, "last_warning": self.last_warning,
                 "checkpoints": list(self.checkpoints), "last_rewind": self.last_rewind,
-                "rewinds": list(self.rewinds), "outliers": self.outliers, "big_applied": self.big_applied,
+                "rewinds": list(self.rewinds), "outliers": self.outliers,
+                "climb": None if self.climb != self.climb else self.climb,
+                "big_applied": self.big_applied,
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs]}
 
@@ -549,6 +588,7 @@ class Policy:
         self.last_rewind = int(d["last_rewind"])
         self.rewinds = deque(int(v) for v in d["rewinds"])
         self.outliers = int(d.get("outliers", 0))
+        self.climb = math.nan if d.get("climb") is None else float(d["climb"])
         self.big_applied = None if d.get("big_applied") is None else int(d["big_applied"])
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")

@@ -817,3 +817,21 @@ def test_an_outlier_where_an_idle_layer_trains_again_is_the_runs_own():
     out = [a for i in range(300) for a in sd.observe(_obs(i, g[i], loss[i], lay[i])) if a.kind is Kind.GRAD_OUTLIER]
     assert [a.step for a in out] == [200] and out[0].values["joined"] == 0.0
     assert "inflate the optimizer's moments" in out[0].message
+
+    # inside a burst of corrupt batches (outliers since step 200) the head trains again at 204 (and
+    # a frozen layer that never trained, at 208): the step before was already an outlier, so the
+    # layers joining explain nothing -- not joined. The burst's first step, where the head is back, is.
+    for back, first in ((204, 200), (200, 200)):
+        lay, g, loss = _calm_run(300, seed=5)
+        lay[:, 7] = 0.0
+        lay[150:160, 7] = 0.05  # the head trained once, then went idle
+        lay[:, 6] = 0.0  # a frozen layer
+        lay[first:first + 10] *= 60.0
+        lay[back, 7] = 0.05 * 60.0
+        lay[208, 6] = 0.05 * 60.0
+        g = np.sqrt((lay ** 2).sum(1))
+        sd = StreamingDetector(layer_names=LAYERS)
+        out = {a.step: a for i in range(300) for a in sd.observe(_obs(i, g[i], loss[i], lay[i]))
+               if a.kind is Kind.GRAD_OUTLIER}
+        assert sorted(out)[:10] == list(range(first, first + 10))
+        assert {s for s, a in out.items() if a.values["joined"]} == ({200} if back == first else set())

@@ -413,3 +413,65 @@ def test_calm_is_decide_of_a_step_without_alerts_while_nothing_is_watched():
             assert p.state_dict() == ref.state_dict()
             compared += 1
     assert compared > 2000
+
+
+def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bounded():
+    """A loss weight ramped up (KL annealing): the gradient was elevated for steps and the first
+    outlier is at most CLIMB_GROWTH times the step before -- applied, not skipped; a 1e4x batch
+    inside the climb is scaled to CLIMB_GROWTH times the scale reached; the climb's steps are not
+    abnormal updates (a loss that stays up after them is not rewound). A burst that jumps from an
+    ordinary step, or from one elevated step, is skipped as before."""
+    from earlywarn.policy import CLIMB_GROWTH, Evidence
+
+    def out(s, ratio, prev, elevated):
+        return [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=ratio, steps=1, prev_ratio=prev, prev_elevated=elevated)]
+
+    p = Policy()
+    assert not p.decide(100, out(100, 21.0, 15.0, 6), Evidence(21.0, 21.0)).actions
+    assert not p.decide(101, out(101, 40.0, 21.0, 7), Evidence(40.0, 40.0)).actions
+    d = p.decide(102, out(102, 1e4, 40.0, 8), Evidence(1e4, 40.0))
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(CLIMB_GROWTH * 40.0 / 1e4)
+    assert "climbed" in d.clip_note
+    assert not p.decide(103, out(103, 60.0, 1e4, 9), Evidence(60.0, 60.0)).actions
+    # the loss, up with the weight, reads as diverged: nothing abnormal was applied, no rewind
+    d = p.decide(104, [ev(104, Kind.LOSS_DIVERGED, steps=8)], Evidence(30.0, 60.0))
+    assert Action.REWIND not in d.actions
+    # the policy's state keeps the climb
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.climb == p.climb == 60.0
+
+    # a jump from an ordinary step (a burst of corrupt batches), or from one noisy elevated step,
+    # or more than CLIMB_GROWTH above a climb: skipped
+    for prev, elevated, ratio in ((1.0, 0, 25.0), (8.0, 1, 25.0), (8.0, 5, 30.0)):
+        p = Policy()
+        assert p.decide(100, out(100, ratio, prev, elevated), Evidence(ratio, ratio)).actions == (Action.SKIP,)
+        assert p.decide(101, out(101, ratio, ratio, elevated + 1), Evidence(ratio, ratio)).actions == (Action.SKIP,)
+    # a climb ends where the gradient is back under outlier_clip_ratio typical norms
+    p = Policy()
+    p.decide(100, out(100, 21.0, 15.0, 6), Evidence(21.0, 21.0))
+    p.decide(101, [], Evidence(1.5, 1.0))
+    assert p.climb != p.climb
+    assert p.decide(102, out(102, 25.0, 1.0, 0), Evidence(25.0, 1.0)).actions == (Action.SKIP,)
+
+
+def test_a_learning_rate_the_run_took_calmly_for_steps_did_not_lead_into_a_loss_rise():
+    """The LR-rise rewind wants the LR still rising into the loss's rise: a warm-up that ended 40
+    steps before a change in the data is not it; a ramp rising to the onset is."""
+    from earlywarn.policy import Evidence
+
+    def loop(lr_at, onset):
+        p = Policy()
+        for s in range(onset + 8):
+            p.decide(s, [], Evidence(1.0, 1.0, lr_at(s)))
+        return p.decide(onset + 8, [ev(onset + 8, Kind.LOSS_DIVERGED, steps=8)], Evidence(1.0, 6.0, lr_at(onset + 8)))
+
+    warmup = lambda s: 1e-3 * min(1.0, (s + 1) / 5)
+    d = loop(warmup, 45)
+    assert not d.actions and "no rising learning rate" in d.reasons[0]
+    ramp = lambda s: 1e-3 * 1.08 ** max(0, s - 20)
+    d = loop(ramp, 45)
+    assert d.actions == (Action.REWIND,) and d.hold_lr_at_target
+    # a warm-up that ends a few steps before the rise: the LR led into it
+    d = loop(lambda s: 1e-3 * min(1.0, (s + 1) / 40), 45)
+    assert d.actions == (Action.REWIND,)

@@ -95,10 +95,11 @@ def general_step(t: Thresholds, w: Work, obs: Observation, pattern: int) -> list
     ev = evidence(t, w, d, bad.skipped)
     # the run-level channels' last elevated deviations: an escalation's message quotes the step before
     prev_run = w.prev[:N_FIXED].tolist() + w.prev[w.layers_end:].tolist()
+    grad_streak = int(w.streak[GRAD])  # elevated steps in a row before this one
     hot = streaks(t, w, d, v.logv, bad.skipped)
     alerts = critical(t, w, obs, bad, d, v)
     moved = episode_moves(w, d, int(obs.step))
-    alerts += outlier(t, w, obs, d, bad)
+    alerts += outlier(t, w, obs, d, bad, prev_run[GRAD], grad_streak)
     alerts += early(t, w, obs, d, v)
     since = w.since_warn + 1 if w.since_warn < BIG else BIG
     if since >= t.cfg.rearm_steps and not bad.skipped:
@@ -340,9 +341,12 @@ def critical(t: Thresholds, w: Work, obs: Observation, bad: Trouble, d: Deviatio
     return alerts
 
 
-def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Trouble) -> list[Event]:
+def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Trouble, prev_dev: float,
+            prev_streak: int) -> list[Event]:
     """GRAD_OUTLIER: the global gradient norm elevated and ``outlier_ratio`` times its typical
-    value or more, reported at its own step (the guard reads it before the update)."""
+    value or more, reported at its own step (the guard reads it before the update). ``prev_dev``
+    and ``prev_streak``: the step before's log-ratio where it was elevated (else 0), and how many
+    steps in a row it had been -- a gradient that climbed into the outliers, or one that jumped."""
     if bad.skipped or not d.elevated[GRAD] or d.dev[GRAD] < t.log_outlier:
         w.outliers = 0
         return []
@@ -350,7 +354,8 @@ def outlier(t: Thresholds, w: Work, obs: Observation, d: Deviations, bad: Troubl
     w.ep_warned = True  # said now, at the step itself: no spike info when the episode ends
     loss_ratio = math.exp(float(d.dev[LOSS])) if d.judged[LOSS] else NAN
     return [messages.outlier_event(obs, w, float(d.dev[GRAD]), loss_ratio, ordered_layers(w, d, t.cfg.max_layers_listed),
-                                   joined=_layers_joined(w, d, int(obs.step)))]
+                                   joined=_layers_joined(w, d, int(obs.step)), prev_ratio=math.exp(prev_dev),
+                                   prev_elevated=prev_streak)]
 
 
 def _layers_joined(w: Work, d: Deviations, step: int) -> str:
@@ -359,8 +364,10 @@ def _layers_joined(w: Work, d: Deviations, step: int) -> str:
     steps or more have one again (a part that trains only on some steps: a rarely sampled task's
     head, an expert), so this step is another kind of step, not a corrupt one of the usual kind.
     ``""`` otherwise. (A layer back from a step or two at 0 -- dead units under a corrupt batch --
-    does not count.) The calm path may have taken this step's set of layers already."""
-    if not w.n_layers or not w.has_dev or not d.present[N_FIXED:w.layers_end].any():
+    does not count.) Only the first outlier of a run of them is explained so: one inside a burst
+    of corrupt batches, already an outlier at the step before, is not the joined layers' doing.
+    The calm path may have taken this step's set of layers already."""
+    if w.outliers > 1 or not w.n_layers or not w.has_dev or not d.present[N_FIXED:w.layers_end].any():
         return ""
     present = d.present[N_FIXED:w.layers_end]
     if np.any(present & ~w.layer_present & (w.count[N_FIXED:w.layers_end] == 0)):

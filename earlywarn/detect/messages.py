@@ -156,10 +156,13 @@ _JOINED = {
 
 
 def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, layers: tuple[str, ...],
-                  joined: str = "") -> Event:
+                  joined: str = "", prev_ratio: float = 1.0, prev_elevated: int = 0) -> Event:
     """GRAD_OUTLIER: a finite gradient far above its typical norm, at its own step. ``joined``:
     ``"new"``, layers that never had a gradient have one now (a part of the model unfrozen);
-    ``"idle"``, layers idle for a while have one again (see ``general._layers_joined``)."""
+    ``"idle"``, layers idle for a while have one again (see ``general._layers_joined``).
+    ``prev_ratio``: the step before's ratio where it was elevated, else 1, and ``prev_elevated``
+    the steps in a row it had been elevated (the policy tells a gradient that climbed into the
+    outliers from one that jumped there)."""
     base = math.exp(float(w.baseline[GRAD]))
     ratio = math.exp(dev)
     where = f", first in {layers[0]}" if layers else ""
@@ -172,7 +175,8 @@ def outlier_event(obs: Observation, w: Work, dev: float, loss_ratio: float, laye
                  f"typical {fmt(base)}{where}{run}{loss}.{why}"),
         values={"ratio": ratio, "value": ratio * base, "baseline": base, "loss_ratio": loss_ratio,
                 "steps": float(w.outliers), "joined": float(bool(joined)),
-                "idle": float(joined == "idle")},
+                "idle": float(joined == "idle"), "prev_ratio": prev_ratio,
+                "prev_elevated": float(prev_elevated)},
         batch=obs.batch)
 
 
