@@ -346,6 +346,23 @@ def loss_ramp(rng):
     return cfg
 
 
+# And one more (no rule tuned on it either): a small training set memorized -- the gradient down by
+# orders of magnitude -- then a new one from a step on (a second fine-tuning task, a new data stage
+# in the same loop): the gradient jumps back up 10-1000x its converged norm, and stays.
+def pool_switch(rng):
+    task = rng.choice(["regression", "classify"])
+    cfg = base(rng, task, (300, 600))
+    cfg["task"]["pool"] = rng.choice([32, 64, 128])
+    cfg["task"]["width"] = rng.choice([64, 128])
+    cfg["task"]["stages"] = [frac_step(rng, cfg["steps"], 0.4, 0.7)]
+    if task == "regression":
+        kind = rng.choice(["targets", "inputs"])
+        cfg["task"]["stage_kinds"] = [{"kind": kind, "size": loguniform(rng, 0.5, 2.0)}]
+    else:
+        cfg["task"]["stage_kinds"] = [{"kind": "relabel", "size": rng.uniform(0.3, 1.0)}]
+    return cfg
+
+
 # ---------------------------------------------------------------- faults
 FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
                "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
@@ -456,6 +473,7 @@ _HEALTHY_MAKERS = {
     "heavy_tail": (heavy_tail, 7), "batch_change": (batch_change, 7), "lr_jump": (lr_jump, 7),
     "loss_scale": (loss_scale, 7), "memorize": (memorize, 7), "rare_task": (rare_task, 7),
     "empty_batches": (empty_batches, 7), "loss_ramp": (loss_ramp, 7),
+    "pool_switch": (pool_switch, 7),
 }
 HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
 FAULT_FAMILIES: dict[str, Family] = {

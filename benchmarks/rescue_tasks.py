@@ -126,13 +126,15 @@ class Task:
         g = gen(self.seed, "train", it, micro, k)
         if self.cfg.get("pool"):  # a fixed training set, batches drawn from it with replacement
             idx = torch.randint(0, self.cfg["pool"], (n,), generator=g)
-            return {key: v[idx] for key, v in self.pool_batch.items()}
+            return {key: v[idx] for key, v in self.pool_of(self.stage(it)).items()}
         return self.sample(g, n, self.stage(it))
 
-    @functools.cached_property
-    def pool_batch(self) -> dict:
-        """``cfg["pool"]`` samples: the whole training set of a run that memorizes it."""
-        return self.sample(gen(self.seed, "pool"), self.cfg["pool"], 0)
+    @functools.cache
+    def pool_of(self, stage: int) -> dict:
+        """``cfg["pool"]`` samples of ``stage``: the whole training set of a run that memorizes it
+        (a new one from each stage on)."""
+        g = gen(self.seed, "pool") if stage == 0 else gen(self.seed, "pool", stage)
+        return self.sample(g, self.cfg["pool"], stage)
 
     def sample(self, g: torch.Generator, n: int, stage: int) -> dict:
         raise NotImplementedError
@@ -150,7 +152,7 @@ class Task:
         for m in self.models:
             m.eval()
         try:  # a run on a fixed training set is judged on it (what it optimizes: memorizing it)
-            return float(self.loss(0, self.pool_batch if self.cfg.get("pool") else self.eval_batch))
+            return float(self.loss(0, self.pool_of(self.last_stage) if self.cfg.get("pool") else self.eval_batch))
         finally:
             for m, mode in zip(self.models, modes):
                 m.train(mode)
