@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/rescue.py [--jobs 2] [--quick] [--families a,b] [--methods a,b]
         [--seed-base 0] [--per-family N] [--no-cache] [--show CONFIG_ID] [--json out.json] [--soak]
+        [--burst-length STEPS]
 
 Every config of every family (benchmarks/rescue_families.py: healthy families, fault families
 and "hopeless") is trained with every method (benchmarks/rescue_peers.py: bare, a GradScaler-style
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, metavar="OUT")
     ap.add_argument("--soak", action="store_true", help="the 20,000-step soak (benchmarks/rescue_soak.py)")
     ap.add_argument("--soak-steps", type=int, default=20_000)
+    ap.add_argument("--burst-length", type=int, default=None, metavar="STEPS",
+                    help="every burst this many steps long (default: each config's own, 10-40): a burst that "
+                         "outlasts the outlier skip budget")
     args = ap.parse_args(argv)
     if args.soak:
         from rescue_soak import main as soak_main
@@ -312,6 +316,13 @@ def main(argv: list[str] | None = None) -> None:
         methods = ["bare"] + methods  # every score is relative to bare
     n = 2 if args.quick else args.per_family
     configs = all_configs(args.seed_base, families, n)
+    if args.burst_length is not None:
+        if args.burst_length < 1:
+            raise SystemExit(f"--burst-length {args.burst_length}: use a number of steps >= 1")
+        for c in configs:
+            if (c.get("fault") or {}).get("kind") == "burst":
+                c["fault"]["length"] = args.burst_length
+                c["id"] += f"-L{args.burst_length}"
     if args.show:
         configs = [c for c in configs if c["id"] == args.show] or configs
     t0 = time.monotonic()
