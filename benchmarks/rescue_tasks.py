@@ -85,6 +85,7 @@ class Task:
         self.cfg, self.seed = cfg, seed
         self.stages = [int(s) for s in cfg.get("stages", [])]  # loop steps where a new stage begins
         self.models: list[nn.Module] = []
+        self.pools: dict[int, dict] = {}  # stage -> its fixed training set (cfg["pool"]), drawn once
 
     def stage(self, it: int) -> int:
         return sum(it >= s for s in self.stages)
@@ -129,12 +130,14 @@ class Task:
             return {key: v[idx] for key, v in self.pool_of(self.stage(it)).items()}
         return self.sample(g, n, self.stage(it))
 
-    @functools.cache
     def pool_of(self, stage: int) -> dict:
         """``cfg["pool"]`` samples of ``stage``: the whole training set of a run that memorizes it
-        (a new one from each stage on)."""
-        g = gen(self.seed, "pool") if stage == 0 else gen(self.seed, "pool", stage)
-        return self.sample(g, self.cfg["pool"], stage)
+        (a new one from each stage on). Kept on the task, not in a functools cache, which would
+        keep every task and its models alive in a worker process."""
+        if stage not in self.pools:
+            g = gen(self.seed, "pool") if stage == 0 else gen(self.seed, "pool", stage)
+            self.pools[stage] = self.sample(g, self.cfg["pool"], stage)
+        return self.pools[stage]
 
     def sample(self, g: torch.Generator, n: int, stage: int) -> dict:
         raise NotImplementedError

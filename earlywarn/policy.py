@@ -430,23 +430,25 @@ class Policy:
         scaled by, and why)."""
         self.outliers += 1
         ratio = a.values.get("ratio", math.nan)
-        if action is Action.SKIP and a.values.get("joined", 0.0):
+        if action is not Action.SKIP:  # a configured response other than the skip: as configured
+            return action, None, ""
+        if a.values.get("joined", 0.0):
             # a part of the model starts or resumes training: the run's own step; one that resumes
             # (idle experts may come back at any step) is bounded
             if a.values.get("idle", 0.0) and ratio > IDLE_STEP_CAP:
                 return Action.CLIP, IDLE_STEP_CAP / ratio, _IDLE_NOTE
             return Action.NONE, None, ""
-        if action is Action.SKIP and self.big_applied is not None and t - self.big_applied <= 3:
+        if self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None, ""  # the run recovering from its own large update: let it
         prev = a.values.get("prev_ratio", 1.0)
-        if (action is Action.SKIP and self.outliers == 1 and prev >= self.cfg.outlier_clip_ratio
+        if (self.outliers == 1 and prev >= self.cfg.outlier_clip_ratio
                 and a.values.get("prev_elevated", 0.0) >= CLIMB_STEPS and ratio <= CLIMB_GROWTH * prev):
             self.climb = prev  # the run climbed here: from now on its growth is bounded, not skipped
-        if action is Action.SKIP and self.climb == self.climb:
+        if self.climb == self.climb:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
             return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, _CLIMB_NOTE)
-        if action is not Action.SKIP or self.outliers <= self.cfg.outlier_skips:
+        if self.outliers <= self.cfg.outlier_skips:
             return action, None, ""
         if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
             return Action.NONE, None, ""
@@ -513,8 +515,7 @@ class Policy:
             self.outliers, self.climb = 0, math.nan  # the gradient is back near its typical norm: the run is over
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
-                self.abnormal, self.probe, self.outliers, self.big_applied = None, None, 0, None
-                self.climb = math.nan
+                self.abnormal, self.probe, self.outliers, self.big_applied, self.climb = None, None, 0, None, math.nan
                 self.lrs.clear()
             return
         # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)

@@ -165,3 +165,9 @@ def test_olmo_skipstep_adamw_skip_keeps_the_zero_times_nan_hole():
     opt.step()  # still factor 0 (the spike is in the window's tail); the NaN gradient poisons anyway
     assert float(opt.last_factor) == 0.0
     assert torch.isnan(opt.state[p]["exp_avg"][0]) and torch.isnan(p.detach()[0])
+
+
+def test_burst_length_refuses_a_length_under_one_and_says_so():
+    with pytest.raises(SystemExit) as exc:
+        rescue.main(["--families", "burst", "--burst-length", "0", "--methods", "bare"])
+    assert str(exc.value) == "--burst-length 0: use a number of steps >= 1"
