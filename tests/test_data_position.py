@@ -329,6 +329,69 @@ def test_quarantine_and_batch_refs_write_what_is_known_only():
     assert QuarantineRecord.from_dict(q.to_dict()) == q
 
 
+def _fingerprints_of(batches, **kw) -> dict[int, str]:
+    from earlywarn.recover import BatchFingerprints
+
+    fp = BatchFingerprints(**kw)
+    for step, batch in enumerate(batches):
+        fp.observe(batch)
+        fp.bind(step)
+    return fp.read(range(len(batches)))
+
+
+@pytest.mark.parametrize("hold", [dict(hold_steps=0), dict(hold_steps=3), dict(hold_bytes=700)])
+def test_held_batches_are_hashed_to_the_values_hashed_at_once(hold):
+    # hashing later (held for a few steps, or until a byte budget) gives what hashing each batch
+    # as it comes gives, whatever the hold
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 100, (4, 16), generator=g) for _ in range(7)] + [torch.randn(3, 5, generator=g)]
+    assert _fingerprints_of(batches, **hold) == _fingerprints_of(batches, hold_steps=0)
+    assert len(set(_fingerprints_of(batches, **hold).values())) == 8
+
+
+def test_a_reused_input_buffer_loses_one_fingerprint_and_then_hashes_as_batches_come():
+    # A loop that copies each batch into one preallocated buffer: a held batch is gone once it is
+    # overwritten. Its fingerprint is unknown (never the next batch's), and the rest are exact.
+    from earlywarn.recover import BatchFingerprints
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 100, (4, 16), generator=g) for _ in range(6)]
+    buffer = torch.empty(4, 16, dtype=torch.int64)
+    fp = BatchFingerprints()
+    for step, b in enumerate(batches):
+        buffer.copy_(b)
+        fp.observe(buffer)
+        fp.bind(step)
+    got = fp.read(range(6))
+    expected = _fingerprints_of(batches, hold_steps=0)
+    assert 0 not in got and {s: got[s] for s in range(1, 6)} == {s: expected[s] for s in range(1, 6)}
+    # written in place after the step, before anything hashed it: unknown, never a wrong name
+    fp2 = BatchFingerprints()
+    x = batches[0].clone()
+    fp2.observe(x)
+    fp2.bind(0)
+    x.add_(1)
+    assert fp2.read([0]) == {}
+
+
+def test_a_held_input_that_requires_grad_does_not_keep_its_graph():
+    import weakref
+
+    from earlywarn.recover import BatchFingerprints
+
+    fp = BatchFingerprints()
+    leaf = torch.randn(4, 8, requires_grad=True)
+    saved = torch.randn(4, 8)
+    x = leaf * saved  # an input made by autograd, whose graph keeps `saved` for the backward pass
+    expected = _fingerprints_of([x.detach().clone()])
+    gone = weakref.ref(saved)
+    fp.observe(x)
+    fp.bind(0)
+    del x, saved
+    assert gone() is None  # held without the graph behind it
+    assert fp.read([0]) == expected
+
+
 def test_batch_fingerprints_are_the_values_earlier_versions_wrote():
     # A quarantine file written by an earlier run names its batches by these values: the planned,
     # cheaper hash (one dot product on the CPU) must give the same ones.

@@ -116,21 +116,31 @@ class BatchFingerprints:
     """A fingerprint per step of the batch the step trained on, computed on the device.
 
     Without a restorable loader nothing else identifies a batch (nanoGPT draws them with
-    ``torch.randint``). :meth:`observe` hashes the batch's tensors where they are -- their raw
-    bits times a fixed random vector, summed (int64, wrapping) -- with no host sync; micro-batches
-    of one step are folded together. :meth:`bind` attaches what was observed to the step that
-    consumes it; :meth:`read` moves the requested fingerprints to the host in one transfer (the
-    rare path: a skip, a quarantine). Shapes and dtypes are folded in on the host. A tensor of
-    more than 2**20 elements is hashed on an even stride of 2**20 of them.
+    ``torch.randint``). :meth:`observe` notes the batch's tensors; the hash -- their raw bits
+    times a fixed random vector, summed (int64, wrapping), with no host sync -- is taken later,
+    for up to ``hold_steps`` steps and ``hold_bytes`` of held batches at a time (one warm loop
+    instead of a few cold calls every step: a step's first calls after the backward pass cost
+    10x their own). Micro-batches of one step are folded together. :meth:`bind` attaches what was
+    observed to the step that consumes it; :meth:`read` moves the requested fingerprints to the
+    host in one transfer (the rare path: a skip, a quarantine). Shapes and dtypes are folded in
+    on the host. A tensor of more than 2**20 elements is hashed on an even stride of 2**20 of
+    them. A batch written in place after it was observed (a reused input buffer) is not what the
+    step saw: its fingerprint is unknown, and from then on batches are hashed as they come.
     """
 
-    def __init__(self, history: int = 4096) -> None:
+    def __init__(self, history: int = 4096, *, hold_steps: int = 32, hold_bytes: int = 32 << 20) -> None:
         self.history = history
+        self.hold_steps = hold_steps
+        self.hold_bytes = hold_bytes
         self.explicit = False
         """``report_batch`` was called: the automatic hook on the model's inputs stands down."""
-        self._pending: torch.Tensor | None = None
+        self._pending: list[tuple[torch.Tensor, int, _HashPlan]] = []  # this step's tensors, as observed
         self._meta = 0
-        self._steps: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
+        # step -> (the hash, or the held tensors not hashed yet, and the shape-and-dtype tag)
+        self._steps: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self._held: list[int] = []  # steps whose tensors are held, oldest first
+        self._held_bytes = 0
+        self._held_ptrs: dict[int, int] = {}  # data_ptr -> version of the held tensors
         self._weights: dict[Any, torch.Tensor] = {}
         self._plans: dict[tuple, _HashPlan | None] = {}  # (shape, dtype, device, layout) -> how it is hashed
 
@@ -188,34 +198,72 @@ class BatchFingerprints:
             plan = self._plan(t)
             if plan is None:
                 continue
-            h = self._hash(t, plan)
+            if t.requires_grad:
+                t = t.detach()  # held without its graph (the version counter is shared)
+            version = t._version
+            if self.hold_steps and self._held_ptrs.get(t.data_ptr(), version) != version:
+                # a held batch was overwritten in place: hash as batches come from now on
+                self.hold_steps = 0
+                self._hash_held()
             self._meta = zlib.crc32(plan.meta, self._meta)
-            if self._pending is None:
-                self._pending = h
-            else:
-                self._pending = self._pending.to(h.device) * _FP_MIX + h
+            self._pending.append((t, version, plan))
 
     def use_explicit(self) -> None:
         """From now on only what ``observe`` is given explicitly counts (``report_batch``):
         what the automatic hook folded in for the step in progress is dropped."""
         self.explicit = True
-        self._pending, self._meta = None, 0
+        self._pending, self._meta = [], 0
 
     def bind(self, step: int) -> None:
         """What was observed since the last bind is the batch of ``step``."""
-        if self._pending is None:
+        if not self._pending:
             return
-        self._steps[int(step)] = (self._pending, self._meta)
-        self._steps.move_to_end(int(step))
-        self._pending, self._meta = None, 0
+        step = int(step)
+        if step in self._steps:
+            self._forget(step)
+        self._steps[step] = (self._pending, self._meta)
+        self._held.append(step)
+        for t, version, _ in self._pending:
+            self._held_ptrs[t.data_ptr()] = version
+            self._held_bytes += t.untyped_storage().nbytes()
+        self._pending, self._meta = [], 0
+        if len(self._held) >= self.hold_steps or self._held_bytes > self.hold_bytes:
+            self._hash_held()
         while len(self._steps) > self.history:
-            self._steps.popitem(last=False)
+            self._forget(next(iter(self._steps)))
+
+    def _hash_held(self) -> None:
+        """Hash the held batches (their tensors are let go); one written since it was observed is
+        dropped: its fingerprint is unknown."""
+        for step in self._held:
+            held, meta = self._steps[step]
+            h = None
+            for t, version, plan in held:
+                if t._version != version:
+                    h = None
+                    break
+                v = self._hash(t, plan)
+                h = v if h is None else h.to(v.device) * _FP_MIX + v
+            if h is None:
+                del self._steps[step]
+            else:
+                self._steps[step] = (h, meta)
+        self._held.clear()
+        self._held_ptrs.clear()
+        self._held_bytes = 0
+
+    def _forget(self, step: int) -> None:
+        if step in self._held:  # rare: a step bound again, a history shorter than the hold
+            self._hash_held()
+        self._steps.pop(step, None)
 
     def has(self, step: int) -> bool:
+        self._hash_held()
         return int(step) in self._steps
 
     def read(self, steps: Sequence[int]) -> dict[int, str]:
         """Fingerprints of ``steps`` (those known), as 16 hex digits; one host read."""
+        self._hash_held()
         known = [int(s) for s in steps if int(s) in self._steps]
         if not known:
             return {}
@@ -227,9 +275,13 @@ class BatchFingerprints:
 
     def drop_after(self, step: int) -> None:
         """Forget the steps after ``step`` (a rewind abandoned them)."""
+        self._hash_held()
         for s in [s for s in self._steps if s > step]:
             del self._steps[s]
 
     def clear(self) -> None:
         self._steps.clear()
-        self._pending, self._meta = None, 0
+        self._held.clear()
+        self._held_ptrs.clear()
+        self._held_bytes = 0
+        self._pending, self._meta = [], 0
