@@ -363,6 +363,26 @@ def pool_switch(rng):
     return cfg
 
 
+# And one more (written and measured before the rule it checks was kept): a phase of the run whose
+# gradients are outliers for 45-95 steps and that ends as abruptly as it began -- a loss weight
+# raised 20-100x for the phase (an auxiliary objective's phase; Adam/AdamW, whose update does not
+# mind the scale), or a new memorized training set for the phase and then the first one again
+# (a task phase in the middle of a run; the eval is the first set's).
+def phase(rng):
+    if rng.random() < 0.5:
+        cfg = base(rng, rng.choice(["regression", "classify", "chargpt"]))
+        if cfg["opt"]["name"] not in ("adam", "adamw"):
+            cfg["opt"] = opt_for(rng, "chargpt")
+        cfg["events"]["loss_phase"] = {"at": frac_step(rng, cfg["steps"], 0.2, 0.5), "length": rng.randint(45, 95),
+                                       "factor": loguniform(rng, 20.0, 100.0)}
+        return cfg
+    cfg = pool_switch(rng)
+    at = frac_step(rng, cfg["steps"], 0.25, 0.5)
+    cfg["task"]["stages"] = [at]
+    cfg["task"]["phase_end"] = at + rng.randint(45, 95)
+    return cfg
+
+
 # ---------------------------------------------------------------- faults
 FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
                "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
@@ -473,7 +493,7 @@ _HEALTHY_MAKERS = {
     "heavy_tail": (heavy_tail, 7), "batch_change": (batch_change, 7), "lr_jump": (lr_jump, 7),
     "loss_scale": (loss_scale, 7), "memorize": (memorize, 7), "rare_task": (rare_task, 7),
     "empty_batches": (empty_batches, 7), "loss_ramp": (loss_ramp, 7),
-    "pool_switch": (pool_switch, 7),
+    "pool_switch": (pool_switch, 7), "phase": (phase, 7),
 }
 HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
 FAULT_FAMILIES: dict[str, Family] = {

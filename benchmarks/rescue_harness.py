@@ -79,7 +79,11 @@ class Perturb:
 
     def loss_weight(self, it: int) -> float:
         """The loss's weight at step ``it``: 1, or ramped toward ``factor`` (``loss_ramp``) -- linear,
-        geometric, or a sigmoid as a consistency loss's ramp-up -- from ``at`` over ``length`` steps."""
+        geometric, or a sigmoid as a consistency loss's ramp-up -- from ``at`` over ``length`` steps,
+        or ``factor`` for ``length`` steps from ``at`` and 1 again after (``loss_phase``)."""
+        ev = self.events.get("loss_phase")
+        if ev:
+            return ev["factor"] if ev["at"] <= it < ev["at"] + ev["length"] else 1.0
         ev = self.events.get("loss_ramp")
         if not ev or it < ev["at"]:
             return 1.0
@@ -246,7 +250,7 @@ def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
         ls = perturb.events.get("loss_scale")
         if ls and it >= ls["at"]:
             loss = loss * ls["factor"]
-        if "loss_ramp" in perturb.events:
+        if "loss_ramp" in perturb.events or "loss_phase" in perturb.events:
             loss = loss * perturb.loss_weight(it)
         if perturb.empty(it, micro):  # every sample masked out: a zero loss, zero gradients
             loss = loss * 0.0

@@ -84,15 +84,19 @@ class Task:
     def __init__(self, cfg: dict, seed: int):
         self.cfg, self.seed = cfg, seed
         self.stages = [int(s) for s in cfg.get("stages", [])]  # loop steps where a new stage begins
+        self.phase_end = cfg.get("phase_end")  # a loop step from which the first stage's data is back
         self.models: list[nn.Module] = []
         self.pools: dict[int, dict] = {}  # stage -> its fixed training set (cfg["pool"]), drawn once
 
     def stage(self, it: int) -> int:
+        if self.phase_end is not None and it >= self.phase_end:
+            return 0
         return sum(it >= s for s in self.stages)
 
     @property
     def last_stage(self) -> int:
-        return len(self.stages)
+        """The stage the run ends in (its eval set's)."""
+        return 0 if self.phase_end is not None else len(self.stages)
 
     def params(self, k: int) -> list[nn.Parameter]:
         return list(self.models[k].parameters())
