@@ -88,7 +88,9 @@ class PolicyConfig:
     """Outliers of one run skipped (a burst of corrupt batches: PaLM skipped 200-500); from the next
     one on they are clipped instead (scaled to ``outlier_clip_ratio`` times their typical norm
     before the update): a new regime (a harder stage, every gradient large from now on) keeps
-    training while the detector's baseline moves to it. A run ends at a gradient back under
+    training while the detector's baseline moves to it; a run that then ends in one step with
+    the loss far above its level before the run was a burst that damaged the model, and is rewound
+    to before it (``BURST_END_LOSS``). A run ends at a gradient back under
     ``outlier_clip_ratio`` times its typical norm, not at any step under the outlier ratio: in a
     noisy new regime every few steps fall under it, and counting outliers in a row there skipped
     nine steps in ten until the baseline moved. Outliers at which layers without a gradient get
@@ -310,6 +312,23 @@ ramp-up), a regime moving over several steps. A burst of corrupt batches jumps t
 ordinary step. A climb is applied, its growth bounded to this factor a step over the scale it has
 reached: skipping it held ramped runs for 40 steps, and a 1e4x batch inside it passes bounded."""
 
+BURST_END_DROP = 6.0
+"""See ``BURST_END_LOSS``: a run ends in one step where its gradient falls this many times under
+both the step before's and its level in the run (the geometric mean of its ratios), as a burst's
+does when clean batches come back; a new regime is learned down gradually."""
+
+BURST_END_LOSS = 2.0
+"""A run of outliers trained on past ``outlier_skips`` that ends in one step (``BURST_END_DROP``)
+with the loss this many times its level before the run or more was a burst of bad batches that
+damaged the model (the model's gradient on clean batches stays elevated while it recovers):
+rewound to before it. A regime that ends so (a loss weight raised for a phase) left the model
+trained, its loss at its level. The cost: a deliberate phase of 41-100 steps of outlier-sized
+gradients after which the model has forgotten the earlier data 2x is rewound too."""
+
+BURST_END_WITHIN = 100
+"""See ``BURST_END_LOSS``: runs that end within this many steps of their start (the detector's
+baselines move to a level held 100 steps: after that the ratios are no longer the run's before)."""
+
 _CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
@@ -333,6 +352,10 @@ class Policy:
         self.rewinds: deque[int] = deque()
         self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
         self.climb = math.nan  # in a run that climbed into the outliers: the ratio it has reached (CLIMB_GROWTH)
+        self.run_start: int | None = None  # tick of the run's first outlier
+        self.trained_on = False  # the run outlasted the skip budget and is trained on (BURST_END_*)
+        # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
+        self.run_level: tuple[float, int, float] = (0.0, 0, 0.0)
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
@@ -397,6 +420,16 @@ class Policy:
                                                  "a learning-rate jump")
                 back = max(back, probe_back)
 
+        if self.trained_on and Action.REWIND not in wanted:
+            burst_back = self._burst_end(alerts, evidence, t)
+            if burst_back:
+                triggers.append("burst_end")
+                wanted[Action.REWIND] = (f"a run of {burst_back - 1} steps of outlier gradients, trained on past the "
+                                         f"skip budget, ended in one step (the gradient "
+                                         f"{math.exp(self.run_level[0] / self.run_level[1]) / evidence.grad_ratio:.3g}x "
+                                         f"under its level in the run) with the loss {evidence.loss_ratio:.3g}x its level "
+                                         "before it: a burst of bad batches that damaged the model")
+                back = max(back, burst_back)
         reasons += self._checkpoint(wanted, warned_now, t)
         suppressed: tuple[str, ...] = ()
         if Action.REWIND in wanted:
@@ -429,6 +462,8 @@ class Policy:
         outliers is applied with its growth bounded (-> the action, the factor the gradients are
         scaled by, and why)."""
         self.outliers += 1
+        if self.outliers == 1:
+            self.run_start = t
         ratio = a.values.get("ratio", math.nan)
         if action is not Action.SKIP:  # a configured response other than the skip: as configured
             return action, None, ""
@@ -450,9 +485,27 @@ class Policy:
             return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, _CLIMB_NOTE)
         if self.outliers <= self.cfg.outlier_skips:
             return action, None, ""
+        # Past the budget: a new regime (or a burst longer than the budget) trains on, clipped; a
+        # burst is told from a regime when it ends (see BURST_END_LOSS)
+        self.trained_on = True
         if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
             return Action.NONE, None, ""
         return Action.CLIP, self.cfg.outlier_clip_ratio / ratio, ""
+
+    def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> int:
+        """A run trained on past the skip budget that ends in one step -- its gradient
+        ``BURST_END_DROP`` times under its level in the run and under the step before's, and no
+        outlier any more (a model that forgot data it had memorized meets it again at outlier
+        size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more, within
+        ``BURST_END_WITHIN`` steps of its start (the detector's baselines are still the run's
+        before): a burst of bad batches that outlasted the budget, and damaged the model.
+        -> steps back to before the run (0: not one)."""
+        start, (logs, n, last) = self.run_start, self.run_level
+        if (start is None or t - start >= BURST_END_WITHIN or not n or not ev.grad_ratio > 0.0
+                or not ev.loss_ratio >= BURST_END_LOSS or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
+            return 0
+        fell = math.log(ev.grad_ratio * BURST_END_DROP)
+        return t - start + 1 if fell <= logs / n and fell <= last else 0
 
     def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
         """A loss far above its level is rewound only when the run's own updates led into it: an
@@ -512,10 +565,18 @@ class Policy:
         """What the update of this step (when it is applied) leaves for later judgements."""
         kinds = {a.kind for a in alerts}
         if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
-            self.outliers, self.climb = 0, math.nan  # the gradient is back near its typical norm: the run is over
+            # the gradient is back near its typical norm: the run is over
+            self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, False
+        if not self.outliers:
+            self.run_level = (0.0, 0, 0.0)  # (kept in a run only: calm() leaves the same state)
+        elif 0.0 < ev.grad_ratio < math.inf:  # (an empty batch's 0 is no level)
+            logs, n, _ = self.run_level
+            log = math.log(ev.grad_ratio)
+            self.run_level = (logs + log, n + 1, log)
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
                 self.abnormal, self.probe, self.outliers, self.big_applied, self.climb = None, None, 0, None, math.nan
+                self.run_start, self.trained_on, self.run_level = None, False, (0.0, 0, 0.0)
                 self.lrs.clear()
             return
         # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)
@@ -576,7 +637,8 @@ class Policy:
                 "checkpoints": list(self.checkpoints), "last_rewind": self.last_rewind,
                 "rewinds": list(self.rewinds), "outliers": self.outliers,
                 "climb": None if self.climb != self.climb else self.climb,
-                "big_applied": self.big_applied,
+                "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
+                "run_level": list(self.run_level),
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs]}
 
@@ -591,6 +653,10 @@ class Policy:
         self.outliers = int(d.get("outliers", 0))
         self.climb = math.nan if d.get("climb") is None else float(d["climb"])
         self.big_applied = None if d.get("big_applied") is None else int(d["big_applied"])
+        self.run_start = None if d.get("run_start") is None else int(d["run_start"])
+        self.trained_on = bool(d.get("trained_on", False))
+        logs, n, last = d.get("run_level", (0.0, 0, 0.0))
+        self.run_level = (float(logs), int(n), float(last))
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
         self.probe = None if probe is None else (int(probe[0]), int(probe[1]), float(probe[2]))

@@ -455,6 +455,64 @@ def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bo
     assert p.decide(102, out(102, 25.0, 1.0, 0), Evidence(25.0, 1.0)).actions == (Action.SKIP,)
 
 
+def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_damaged_the_model():
+    """A run of outliers past ``outlier_skips`` trains on, clipped. If it then ends in one step
+    (from >= BURST_END_DROP x the clip ratio to under it) with the loss BURST_END_LOSS x its level
+    before the run, it was a burst of bad batches that damaged the model: rewound to before its
+    first outlier. A run that ends with the loss at its level (a loss weight raised for a phase), a
+    regime learned down gradually, or one that outlasts the detector's baselines is not."""
+    from earlywarn.policy import BURST_END_WITHIN, Evidence
+
+    def run(p, length=6, ratio=40.0):
+        for s in range(100, 100 + length):
+            d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
+            assert d.actions == ((Action.SKIP,) if s < 103 else (Action.CLIP,))
+        return 100 + length
+
+    p = Policy(PolicyConfig(outlier_skips=3))
+    end = run(p)
+    d = p.decide(end, [], Evidence(0.8, 3.0))  # the next batch is clean again: the model is worse on it
+    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("burst_end",)
+    assert d.onset_back == end - 100 + 1  # back to before the run's first outlier
+    assert "ended in one step" in d.reasons[0] and not p.watching
+
+    # the policy's state carries a run in progress across a resume
+    p = Policy(PolicyConfig(outlier_skips=3))
+    end = run(p)
+    q = Policy(PolicyConfig(outlier_skips=3))
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.decide(end, [], Evidence(0.8, 3.0)).actions == (Action.REWIND,)
+
+    # a dip inside a noisy run is not its end: the step before was low already, or the run's level is
+    not_a_burst = [
+        dict(end=Evidence(0.8, 1.2)),  # the loss at its level: a phase the run trained through
+        dict(end=Evidence(0.8, 3.0), before=[Evidence(r, 3.0) for r in (25.0, 12.0, 6.0, 3.5)]),  # learned down
+        dict(end=Evidence(2.0, 3.0), before=[Evidence(r, 3.0) for r in (40.0, 9.0)]),  # over two steps
+        dict(end=Evidence(21.0, 1e5), outlier=True),  # memorized data met again, forgotten: still an outlier
+        dict(end=Evidence(0.8, 3.0), skips=10),  # never trained on: all of it was skipped
+        dict(end=Evidence(0.8, 3.0), length=BURST_END_WITHIN + 1, skips=3),  # the baselines moved meanwhile
+    ]
+    for case in not_a_burst:
+        p = Policy(PolicyConfig(outlier_skips=case.get("skips", 3)))
+        length = case.get("length", 6)
+        for s in range(100, 100 + length):
+            p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], Evidence(40.0, 50.0))
+        s = 100 + length
+        for before in case.get("before", []):  # steps between 3x and the outlier ratio: the run goes on, lower
+            assert not p.decide(s, [], before).actions
+            s += 1
+        alerts = []
+        if case.get("outlier"):  # the run at 1000x, then 21x: an outlier still, the run goes on
+            for s in range(s, s + 3):
+                p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=1000.0, loss_ratio=1e7, steps=1)], Evidence(1000.0, 1e7))
+            s += 1
+            alerts = [ev(s, Kind.GRAD_OUTLIER, ratio=21.0, loss_ratio=1e5, steps=1)]
+        assert Action.REWIND not in p.decide(s, alerts, case["end"]).actions, case
+        if alerts:
+            continue
+        assert not p.watching
+
+
 def test_a_learning_rate_the_run_took_calmly_for_steps_did_not_lead_into_a_loss_rise():
     """The LR-rise rewind wants the LR still rising into the loss's rise: a warm-up that ended 40
     steps before a change in the data is not it; a ramp rising to the onset is."""

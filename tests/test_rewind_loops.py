@@ -495,3 +495,28 @@ def test_a_loss_weight_ramped_up_trains_as_without_earlywarn_and_a_burst_is_stil
     skipped = [e.step for e in ew.events if e.kind is Kind.SKIP]
     assert skipped == list(range(150, 162)) and ew.counters["rewinds"] == 0
     ew.close()
+
+
+def test_a_burst_longer_than_the_skip_budget_is_rewound_when_it_ends_and_a_loss_weight_phase_is_not(tmp_path):
+    # 70 corrupt batches (targets x100): 40 skipped, the rest trained on clipped -- Adam takes
+    # them at full rate, clipped or not. When clean batches come back the loss is far above its
+    # level before the burst: rewound to before it, the run ends near where one without it does.
+    burst = lambda it: 100.0 if 150 <= it < 220 else 1.0
+    twin, _ = _ramped_loop(False, tmp_path, lambda it: 1.0, steps=400)
+    bare, _ = _ramped_loop(False, tmp_path, lambda it: 1.0, burst, steps=400)
+    watched, ew = _ramped_loop(True, tmp_path, lambda it: 1.0, burst, steps=400)
+    rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
+    assert ew.counters["rewinds"] == 1 and rewinds[0].step == 220, [(e.step, e.message) for e in rewinds]
+    # the message says why (the policy's own rule: no alert at the step that ends the burst)
+    assert rewinds[0].message.startswith("a run of 70 steps of outlier gradients")
+    assert "burst of bad batches" in rewinds[0].message and rewinds[0].values["restored_step"] < 150
+    # (95 steps lost: back to the copy of step 125, the newest clean one before the burst)
+    assert bare > 100 * twin and watched <= 1.4 * twin, (bare, watched, twin)
+    ew.close()
+    # a loss weight raised 50x for a 70-step phase (an auxiliary objective's): the same shape of
+    # run, but the loss is at its level when the phase ends -- trained through, never rewound
+    phase = lambda it: 50.0 if 150 <= it < 220 else 1.0
+    _, ew = _ramped_loop(True, tmp_path, phase, steps=400)
+    assert ew.counters["rewinds"] == 0 and ew.counters["skipped_steps"] == 40
+    assert not [e for e in ew.events if e.level is Level.CRITICAL]
+    ew.close()

@@ -230,8 +230,13 @@ class Responses:
 
 
 def _reason(decision: Decision) -> str:
+    """What a rewind's message opens with: the worst alert's kind, or -- a rule of the policy's
+    own, on a step without alerts (a burst that ended) -- the policy's line for it."""
     worst = max(decision.alerts, key=lambda e: e.level, default=None)
-    return str(worst.kind) if worst is not None else "policy"
+    if worst is not None:
+        return str(worst.kind)
+    line = next((r for r in decision.policy.reasons if r.startswith("rewind: ")), None)
+    return line[len("rewind: "):] if line is not None else "policy"
 
 
 def _batch_index(tag: StepTag) -> int | None:
