@@ -201,7 +201,7 @@ class BatchFingerprints:
             if t.requires_grad:
                 t = t.detach()  # held without its graph (the version counter is shared)
             version = t._version
-            if self.hold_steps and self._held_ptrs.get(t.data_ptr(), version) != version:
+            if self.hold_steps and self._held_ptrs.get(local(t).data_ptr(), version) != version:
                 # a held batch was overwritten in place: hash as batches come from now on
                 self.hold_steps = 0
                 self._hash_held()
@@ -224,8 +224,9 @@ class BatchFingerprints:
         self._steps[step] = (self._pending, self._meta)
         self._held.append(step)
         for t, version, _ in self._pending:
-            self._held_ptrs[t.data_ptr()] = version
-            self._held_bytes += t.untyped_storage().nbytes()
+            lt = local(t)  # a DTensor: this rank's shard is what is held
+            self._held_ptrs[lt.data_ptr()] = version
+            self._held_bytes += lt.untyped_storage().nbytes()
         self._pending, self._meta = [], 0
         if len(self._held) >= self.hold_steps or self._held_bytes > self.hold_bytes:
             self._hash_held()
