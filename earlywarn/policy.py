@@ -325,6 +325,12 @@ rewound to before it. A regime that ends so (a loss weight raised for a phase) l
 trained, its loss at its level. The cost: a deliberate phase of 41-100 steps of outlier-sized
 gradients after which the model has forgotten the earlier data 2x is rewound too."""
 
+BURST_END_TRAINED = 5
+"""See ``BURST_END_LOSS``: a run is judged at its end once it was trained on for this many steps.
+The first updates taken after the skips move a model that stood still for 40 steps (a part
+unfrozen meanwhile takes its first steps, Adagrad's first is lr x the sign): its gradient may
+fall at once by the run's own doing, and a burst that ends so soon did little damage."""
+
 BURST_END_WITHIN = 100
 """See ``BURST_END_LOSS``: runs that end within this many steps of their start (the detector's
 baselines move to a level held 100 steps: after that the ratios are no longer the run's before)."""
@@ -353,7 +359,7 @@ class Policy:
         self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
         self.climb = math.nan  # in a run that climbed into the outliers: the ratio it has reached (CLIMB_GROWTH)
         self.run_start: int | None = None  # tick of the run's first outlier
-        self.trained_on = False  # the run outlasted the skip budget and is trained on (BURST_END_*)
+        self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
         # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
         self.run_level: tuple[float, int, float] = (0.0, 0, 0.0)
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
@@ -420,7 +426,7 @@ class Policy:
                                                  "a learning-rate jump")
                 back = max(back, probe_back)
 
-        if self.trained_on and Action.REWIND not in wanted:
+        if self.trained_on is not None and Action.REWIND not in wanted:
             burst_back = self._burst_end(alerts, evidence, t)
             if burst_back:
                 triggers.append("burst_end")
@@ -487,7 +493,8 @@ class Policy:
             return action, None, ""
         # Past the budget: a new regime (or a burst longer than the budget) trains on, clipped; a
         # burst is told from a regime when it ends (see BURST_END_LOSS)
-        self.trained_on = True
+        if self.trained_on is None:
+            self.trained_on = t
         if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
             return Action.NONE, None, ""
         return Action.CLIP, self.cfg.outlier_clip_ratio / ratio, ""
@@ -496,12 +503,13 @@ class Policy:
         """A run trained on past the skip budget that ends in one step -- its gradient
         ``BURST_END_DROP`` times under its level in the run and under the step before's, and no
         outlier any more (a model that forgot data it had memorized meets it again at outlier
-        size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more, within
-        ``BURST_END_WITHIN`` steps of its start (the detector's baselines are still the run's
-        before): a burst of bad batches that outlasted the budget, and damaged the model.
+        size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more, trained
+        on for ``BURST_END_TRAINED`` steps or more and within ``BURST_END_WITHIN`` steps of its
+        start (the detector's baselines are still the run's before): a burst of bad batches that outlasted the budget, and damaged the model.
         -> steps back to before the run (0: not one)."""
         start, (logs, n, last) = self.run_start, self.run_level
-        if (start is None or t - start >= BURST_END_WITHIN or not n or not ev.grad_ratio > 0.0
+        if (start is None or self.trained_on is None or t - start >= BURST_END_WITHIN
+                or t - self.trained_on < BURST_END_TRAINED or not n or not ev.grad_ratio > 0.0
                 or not ev.loss_ratio >= BURST_END_LOSS or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
             return 0
         fell = math.log(ev.grad_ratio * BURST_END_DROP)
@@ -566,7 +574,7 @@ class Policy:
         kinds = {a.kind for a in alerts}
         if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
             # the gradient is back near its typical norm: the run is over
-            self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, False
+            self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
         if not self.outliers:
             self.run_level = (0.0, 0, 0.0)  # (kept in a run only: calm() leaves the same state)
         elif 0.0 < ev.grad_ratio < math.inf:  # (an empty batch's 0 is no level)
@@ -576,7 +584,7 @@ class Policy:
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
                 self.abnormal, self.probe, self.outliers, self.big_applied, self.climb = None, None, 0, None, math.nan
-                self.run_start, self.trained_on, self.run_level = None, False, (0.0, 0, 0.0)
+                self.run_start, self.trained_on, self.run_level = None, None, (0.0, 0, 0.0)
                 self.lrs.clear()
             return
         # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)
@@ -654,7 +662,7 @@ class Policy:
         self.climb = math.nan if d.get("climb") is None else float(d["climb"])
         self.big_applied = None if d.get("big_applied") is None else int(d["big_applied"])
         self.run_start = None if d.get("run_start") is None else int(d["run_start"])
-        self.trained_on = bool(d.get("trained_on", False))
+        self.trained_on = None if d.get("trained_on") is None else int(d["trained_on"])
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])

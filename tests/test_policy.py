@@ -463,7 +463,7 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
     regime learned down gradually, or one that outlasts the detector's baselines is not."""
     from earlywarn.policy import BURST_END_WITHIN, Evidence
 
-    def run(p, length=6, ratio=40.0):
+    def run(p, length=10, ratio=40.0):
         for s in range(100, 100 + length):
             d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
             assert d.actions == ((Action.SKIP,) if s < 103 else (Action.CLIP,))
@@ -489,12 +489,13 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
         dict(end=Evidence(0.8, 3.0), before=[Evidence(r, 3.0) for r in (25.0, 12.0, 6.0, 3.5)]),  # learned down
         dict(end=Evidence(2.0, 3.0), before=[Evidence(r, 3.0) for r in (40.0, 9.0)]),  # over two steps
         dict(end=Evidence(21.0, 1e5), outlier=True),  # memorized data met again, forgotten: still an outlier
+        dict(end=Evidence(0.8, 3.0), length=5),  # two steps trained on: the run's own first updates moved it
         dict(end=Evidence(0.8, 3.0), skips=10),  # never trained on: all of it was skipped
         dict(end=Evidence(0.8, 3.0), length=BURST_END_WITHIN + 1, skips=3),  # the baselines moved meanwhile
     ]
     for case in not_a_burst:
         p = Policy(PolicyConfig(outlier_skips=case.get("skips", 3)))
-        length = case.get("length", 6)
+        length = case.get("length", 10)
         for s in range(100, 100 + length):
             p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], Evidence(40.0, 50.0))
         s = 100 + length
