@@ -270,6 +270,9 @@ def test_wandb_attached_idle_commit_makes_rows_of_its_own(wandb_env, tmp_path, m
         user_run.finish()
         wandb.teardown()
     rows = wandb_rows(read_offline_run(wandb_run_folder(user_run)))
-    assert len(rows) > 10  # the user logged nothing; earlywarn committed its own rows
+    # the user logged nothing; earlywarn committed rows of its own -- one per batch its sink's
+    # worker took (how many steps a batch holds depends on the machine's load); without the idle
+    # commit the carried values go out in one row, at finish
+    assert len(rows) > 1
     check_wandb_rows(rows, scn)
     assert fire_all(rows)["critical"]
