@@ -427,14 +427,10 @@ class Policy:
                 back = max(back, probe_back)
 
         if self.trained_on is not None and Action.REWIND not in wanted:
-            burst_back = self._burst_end(alerts, evidence, t)
+            burst_back, why = self._burst_end(alerts, evidence, t)
             if burst_back:
                 triggers.append("burst_end")
-                wanted[Action.REWIND] = (f"a run of {burst_back - 1} steps of outlier gradients, trained on past the "
-                                         f"skip budget, ended in one step (the gradient "
-                                         f"{math.exp(self.run_level[0] / self.run_level[1]) / evidence.grad_ratio:.3g}x "
-                                         f"under its level in the run) with the loss {evidence.loss_ratio:.3g}x its level "
-                                         "before it: a burst of bad batches that damaged the model")
+                wanted[Action.REWIND] = why
                 back = max(back, burst_back)
         reasons += self._checkpoint(wanted, warned_now, t)
         suppressed: tuple[str, ...] = ()
@@ -499,21 +495,28 @@ class Policy:
             return Action.NONE, None, ""
         return Action.CLIP, self.cfg.outlier_clip_ratio / ratio, ""
 
-    def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> int:
+    def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> tuple[int, str]:
         """A run trained on past the skip budget that ends in one step -- its gradient
         ``BURST_END_DROP`` times under its level in the run and under the step before's, and no
         outlier any more (a model that forgot data it had memorized meets it again at outlier
         size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more, trained
         on for ``BURST_END_TRAINED`` steps or more and within ``BURST_END_WITHIN`` steps of its
-        start (the detector's baselines are still the run's before): a burst of bad batches that outlasted the budget, and damaged the model.
-        -> steps back to before the run (0: not one)."""
+        start (the detector's baselines are still the run's before): a burst of bad batches that
+        outlasted the budget, and damaged the model. -> (steps back to before the run, why; 0
+        and "": not one)."""
         start, (logs, n, last) = self.run_start, self.run_level
         if (start is None or self.trained_on is None or t - start >= BURST_END_WITHIN
                 or t - self.trained_on < BURST_END_TRAINED or not n or not ev.grad_ratio > 0.0
                 or not ev.loss_ratio >= BURST_END_LOSS or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
-            return 0
+            return 0, ""
+        level = logs / n
         fell = math.log(ev.grad_ratio * BURST_END_DROP)
-        return t - start + 1 if fell <= logs / n and fell <= last else 0
+        if not (fell <= level and fell <= last):
+            return 0, ""
+        return t - start + 1, (f"a run of {t - start} steps of outlier gradients, trained on past the skip budget, "
+                               f"ended in one step (the gradient {math.exp(level) / ev.grad_ratio:.3g}x under its "
+                               f"level in the run) with the loss {ev.loss_ratio:.3g}x its level before it: a burst "
+                               "of bad batches that damaged the model")
 
     def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
         """A loss far above its level is rewound only when the run's own updates led into it: an

@@ -17,6 +17,7 @@ from earlywarn.guard.episode import Episode, onset
 from earlywarn.guard.judge import Decision
 from earlywarn.guard.statistics import SQ_OVERFLOW, StepStatistics, StepTag
 from earlywarn.guard.telemetry import Telemetry
+from earlywarn.policy import Action
 from earlywarn.recover import Halt, Recovery, RewindReport
 
 
@@ -235,8 +236,9 @@ def _reason(decision: Decision) -> str:
     worst = max(decision.alerts, key=lambda e: e.level, default=None)
     if worst is not None:
         return str(worst.kind)
-    line = next((r for r in decision.policy.reasons if r.startswith("rewind: ")), None)
-    return line[len("rewind: "):] if line is not None else "policy"
+    head = f"{Action.REWIND.value}: "  # (PolicyDecision.reasons: one "<action>: <why>" line per action)
+    line = next((r for r in decision.policy.reasons if r.startswith(head)), None)
+    return line[len(head):] if line is not None else "policy"
 
 
 def _batch_index(tag: StepTag) -> int | None:

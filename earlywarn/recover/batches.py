@@ -238,17 +238,14 @@ class BatchFingerprints:
         dropped: its fingerprint is unknown."""
         for step in self._held:
             held, meta = self._steps[step]
+            if any(t._version != version for t, version, _ in held):
+                del self._steps[step]
+                continue
             h = None
-            for t, version, plan in held:
-                if t._version != version:
-                    h = None
-                    break
+            for t, _, plan in held:  # micro-batches folded in order
                 v = self._hash(t, plan)
                 h = v if h is None else h.to(v.device) * _FP_MIX + v
-            if h is None:
-                del self._steps[step]
-            else:
-                self._steps[step] = (h, meta)
+            self._steps[step] = (h, meta)
         self._held.clear()
         self._held_ptrs.clear()
         self._held_bytes = 0
