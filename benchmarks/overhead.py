@@ -18,7 +18,11 @@ variant's mean step / the bare one's, same round); the range is the rounds' min.
 own host time is timed in place on the thread's CPU clock (``optimizer.step()`` less the update
 inside it, plus ``report_loss`` and the batch fingerprint), which the machine's noise barely
 touches: its median over rounds, over the bare step, is the estimate the goals are judged on.
-``small`` relates it to one ``clip_grad_norm_(foreach=True)`` over the same gradients. ``gpt+clip``:
+``small`` relates it to one ``clip_grad_norm_(foreach=True)`` over the same gradients, and prints
+beside it the net figure: the watched ``optimizer.step()`` less the bare one, paired by round. The
+in-place figure overstates it by what the guard does first and the update inside it then finds
+done (each new gradient's Python object: ``--cold`` measures that share, ~90 us of small's ~1.5
+ms), but it is far steadier: the net column's A/A value is its noise (~0.1x of a clip). ``gpt+clip``:
 every variant clips at 1.0 (earlywarn reads the clip's own per-tensor norms: one norm pass).
 ``moe`` (no goal in the issue: a shape it did not name) routes 8 tokens to 8 experts a layer, so
 which parameters have a gradient changes from step to step. Held out from the default shapes:
@@ -435,7 +439,9 @@ def table() -> None:
                 clip = statistics.median(rec[v]["clip"])
                 base = f"step() {statistics.median(bare['step']) * 1e3:.2f} ms; clip {clip * 1e6:.0f} us"
                 est = statistics.median(g / c for g, c in zip(rec[v]["guard"], rec[v]["clip"])) if guard else 0.0
-                est_s = f"{est:.3f}x of one clip_grad_norm_"
+                # the net figure: step() less the bare loop's, same round (its A/A row is the noise)
+                net = statistics.median((s - b) / c for s, b, c in zip(rec[v]["step"], bare["step"], rec[v]["clip"]))
+                est_s = f"{est:.3f}x of one clip_grad_norm_ (step() paired: {net:+.3f}x)"
             else:
                 base = f"{statistics.median(bare['cpu']) * 1e3:.2f} ms"
                 est = 1 + statistics.median(g / b for g, b in zip(rec[v]["guard"], bare["cpu"]))
@@ -445,7 +451,10 @@ def table() -> None:
                   f"{cpu:.4f}x | {'-' if goal is None else f'<= {goal}x'} | {met} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end. 'met' judges the in-place estimate (the guard's "
           "own host time over the bare step's CPU time); the paired whole-step columns check it, to within "
-          "what the A/A rows show of the machine's noise")
+          "what the A/A rows show of the machine's noise. small's 'step() paired': the watched step() less the "
+          "bare one, same round, in clips -- the net extra time, which the in-place figure overstates by what "
+          "the guard does first and the update then skips (the gradients' first read: overhead.py --cold "
+          "small); far noisier, its A/A row is its noise")
 
 
 # -- the working tree against an earlier revision ------------------------------------------------------

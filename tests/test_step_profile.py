@@ -7,6 +7,7 @@ costs nothing. Each part is counted on its class, beneath the instance attribute
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,7 @@ def test_cold_prints_every_call_in_every_condition():
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")][1:]
         assert len(cells) == 4 and all(float(c.removesuffix(" us")) > 0 for c in cells), row
+    # the update's share of the gradients' first read, paired: the read timed, the update's change signed
+    m = re.search(r"the read itself (\d+) us; the update after it is (-?\d+) us cheaper", proc.stdout)
+    assert m is not None, proc.stdout
+    assert int(m.group(1)) > 0
