@@ -576,18 +576,15 @@ class Policy:
         """What the update of this step (when it is applied) leaves for later judgements."""
         kinds = {a.kind for a in alerts}
         if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
-            # the gradient is back near its typical norm: the run is over
-            self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
-        if not self.outliers:
-            self.run_level = (0.0, 0, 0.0)  # (kept in a run only: calm() leaves the same state)
-        elif 0.0 < ev.grad_ratio < math.inf:  # (an empty batch's 0 is no level)
+            self._end_run()  # the gradient is back near its typical norm
+        elif self.outliers and 0.0 < ev.grad_ratio < math.inf:  # (an empty batch's 0 is no level)
             logs, n, _ = self.run_level
             log = math.log(ev.grad_ratio)
             self.run_level = (logs + log, n + 1, log)
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
-                self.abnormal, self.probe, self.outliers, self.big_applied, self.climb = None, None, 0, None, math.nan
-                self.run_start, self.trained_on, self.run_level = None, None, (0.0, 0, 0.0)
+                self.abnormal, self.probe, self.big_applied = None, None, None
+                self._end_run()
                 self.lrs.clear()
             return
         # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)
@@ -596,6 +593,11 @@ class Policy:
             self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
         if applied:
             self.big_applied = t  # an outlier-sized update of the run's own: what follows may be its recovery
+
+    def _end_run(self) -> None:
+        """No run of outliers in progress any more: every field of one back as ``__init__`` sets it."""
+        self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
+        self.run_level = (0.0, 0, 0.0)
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
