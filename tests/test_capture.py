@@ -107,7 +107,7 @@ def test_gradients_that_carry_a_graph_are_read_without_it():
 
 
 def test_the_host_vector_is_the_device_vector_entry_for_entry():
-    # the CPU fills the step's vector in numpy; a CUDA run concatenates it with torch. CI has no
+    # the CPU builds the step's vector from Python floats; a CUDA run concatenates it with torch. CI has no
     # GPU, so the torch path is run here on the CPU on the same step: the same layout, the same bits
     # (loss, scale, user signals reported and not, the state flag on a check step and off it)
     from earlywarn.guard.statistics import StepStatistics
@@ -143,6 +143,34 @@ def test_the_host_vector_is_the_device_vector_entry_for_entry():
         assert host_vec[L] == 3.0 and host_vec[L + 1] == 1024.0
         assert [math.isnan(host_vec[L + 2 + j]) for j in range(2)] == [n not in users for n in ("a", "b")]
         assert (host_vec[-1] > 0.0) == (step % 3 == 0)  # the state's norms summed, or "not checked"
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_cpus_per_layer_loop_is_numpys_square_and_bincount_bit_for_bit(scaled, weighted):
+    # the CPU squares and sums the per-tensor norms per layer in a Python loop (a torch or numpy
+    # call costs more on the caches backward leaves): the float64 operations of numpy's multiply,
+    # square and bincount, in their order -- the same bits, overflow, NaN and inf included
+    model = MLP()
+    lm = build_layer_map(model, torch.optim.SGD(model.parameters(), lr=0.1), group_by="depth:1")
+    stats = GradStats(lm)
+    backward(model)
+    stats._grads()  # the plan
+    g = torch.Generator().manual_seed(0)
+    n = len(stats._plan.present)
+    norms = (torch.rand(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g)).float()
+    norms[0], norms[-1] = 3e19, math.nan  # a square that overflows float32 (not float64), a NaN
+    inv = torch.tensor(0.37, dtype=torch.float64) if scaled else None
+    weight = torch.rand(n, generator=g, dtype=torch.float64) if weighted else None
+    got = stats._host_layer_sq(norms, inv, weight, as_present=False)
+    x = norms.numpy().astype(np.float64)
+    if inv is not None:
+        x = x * float(inv)
+    x = np.square(x)
+    if weight is not None:
+        x *= weight.numpy()
+    want = np.bincount(np.asarray(stats._layer_index(False)), weights=x, minlength=lm.num_layers)
+    assert np.asarray(got).tobytes() == want.tobytes()
 
 
 def _norms_of_one_backward(model: nn.Module):

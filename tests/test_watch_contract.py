@@ -114,8 +114,10 @@ def test_another_librarys_wrapper_over_the_watched_step_works_and_watch_again():
 
 
 @pytest.mark.parametrize("when", ["after_watch", "before_watch"])
-def test_a_torch_compiled_optimizer_step_works(when):
+def test_a_torch_compiled_optimizer_step_works(when, monkeypatch):
     # dynamo must not trace the host-side guard (numpy detector, Python control flow)
+    from earlywarn.guard import install
+
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -125,8 +127,14 @@ def test_a_torch_compiled_optimizer_step_works(when):
     else:
         ew = earlywarn.watch(model, opt, sinks=[])
         opt.step = torch.compile(opt.step, backend="eager")
+    # the guard is a plain function (an eager step pays no compiler.disable wrapper): dynamo,
+    # tracing a compiled step, meets it and runs it eagerly through its disabled twin
+    eager, twin = [], install._EAGER_STEP
+    monkeypatch.setattr(install, "_EAGER_STEP",
+                        torch.compiler.disable(lambda *a, **k: eager.append(1) or twin(*a, **k)))
     train(model, opt, ew)
     assert [e.step for e in ew.events if e.kind is Kind.SKIP] == [4] and finite(model, opt)
+    assert bool(eager) == (when == "after_watch")  # before watch(), dynamo compiled the step below it
     ew.close()
 
 

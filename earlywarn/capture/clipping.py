@@ -116,10 +116,13 @@ class ClipObserver:
         self._record = None
 
 
-def unclip(layer_sq: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """Per-layer squared norms as they were before a clip by ``coef``. A factor of 0 (the total
-    norm was inf: finite gradients became 0, the inf became NaN) is left as clipped, so that the
-    layer that was non-finite stays the only one that is."""
+def unclip(layer_sq: "torch.Tensor | list[float]", coef: torch.Tensor) -> "torch.Tensor | list[float]":
+    """Per-layer squared norms (a tensor, or the CPU's list of floats) as they were before a clip
+    by ``coef``. A factor of 0 (the total norm was inf: finite gradients became 0, the inf became
+    NaN) is left as clipped, so that the layer that was non-finite stays the only one that is."""
+    if isinstance(layer_sq, list):
+        c = coef.numpy().item()  # (a CPU factor, read as the vector is: the same float64 division as torch's)
+        return [x / (c * c) for x in layer_sq] if c > 0 else layer_sq
     return torch.where(coef > 0, layer_sq / (coef * coef), layer_sq)
 
 

@@ -17,10 +17,11 @@ Where the gradients live decides where the vector lives: on a CUDA device whenev
 is on CUDA (a model with CPU-offloaded parts included), and copies go ``non_blocking`` only
 toward CUDA (from pinned memory): a non-blocking copy *to* the CPU returns before the data has
 landed, and reading it at once is a race. When the vector lives on the CPU there is no device to
-keep busy, so the few dozen numbers after the norm pass are combined in numpy: on the caches a
-backward pass leaves, each small torch op costs ~10-40 us of dispatch, and the four numpy calls
-that replace six of them saved 60-145 us a step (``benchmarks/overhead.py --against``, issue 23);
-the same float64 operations in the same order, the same bits.
+keep busy, so the per-tensor norms are read once (``tolist``) and squared and summed per layer in
+a Python loop: on the caches a backward pass leaves, each small torch or numpy call costs ~10-40
+us, far more than the loop (six torch ops gave way to four numpy calls, 60-145 us a step, and
+those to the loop, another 15-40: ``benchmarks/overhead.py --against``, issue 23); the same
+float64 operations in the same order as numpy's ``square`` and ``bincount``, the same bits.
 
 Sharded gradients (FSDP2 ``fully_shard``, tensor parallel: DTensors) are read through their
 local shards -- a norm of the DTensor itself would issue one collective per tensor -- and each
@@ -117,8 +118,9 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
 
 
 def _float64(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a float64 array (a view when they are float64 already)."""
-    return (t if t.dtype == torch.float64 else t.double()).numpy()
+    """A CPU tensor's values as a float64 array, or as an array numpy widens to float64 exactly
+    (a view when they are float32 or float64 already)."""
+    return (t if t.dtype in (torch.float64, torch.float32) else t.double()).numpy()
 
 
 def _layout(grad: torch.Tensor) -> tuple:
@@ -163,9 +165,9 @@ class _Plan:
         self.simple = len(groups) == 1 and not sharded and not groups[0].sparse
         # ... and the loop's clip, which takes the norms in the gradients' own precision, can lend its own
         self.shareable = self.simple and groups[0].dtype in (torch.float32, torch.float64)
-        # per-tensor -> per-layer (GradStats._layer_index: numpy on the host), made on first use
-        self.index: "np.ndarray | torch.Tensor | None" = None
-        self.index_present: "np.ndarray | torch.Tensor | None" = None
+        # per-tensor -> per-layer (GradStats._layer_index: a list on the host), made on first use
+        self.index: "list[int] | torch.Tensor | None" = None
+        self.index_present: "list[int] | torch.Tensor | None" = None
         self.weights: torch.Tensor | None = None
 
     def order(self) -> list[int]:
@@ -201,7 +203,7 @@ class GradStats:
         self._layouts: list[tuple | None] = [None] * len(layer_map.params)
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self._dtype = stat_dtype(self._device)
-        self._host = self._device.type == "cpu"  # the per-layer sums are taken in numpy (module note)
+        self._host = self._device.type == "cpu"  # the per-layer sums are taken in Python (module note)
         self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
@@ -266,7 +268,7 @@ class GradStats:
             plan.weights = to_device(w, self._device)
         return plan.weights
 
-    def _per_layer(self, per_tensor: "torch.Tensor | np.ndarray", *, as_present: bool = False) -> torch.Tensor:
+    def _per_layer(self, per_tensor: torch.Tensor, *, as_present: bool = False) -> torch.Tensor:
         """Per-tensor values -> per-layer sums, in a fixed order on every run and rank.
         ``as_present``: the values come in the parameters' order, not the norm plan's.
 
@@ -276,14 +278,14 @@ class GradStats:
         between runs."""
         index = self._layer_index(as_present)
         if self._host:
-            values = per_tensor if isinstance(per_tensor, np.ndarray) else _float64(per_tensor)
+            values = _float64(per_tensor)
             return torch.from_numpy(np.bincount(index, weights=values, minlength=self.layer_map.num_layers))
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
         return padded[index].sum(dim=1)
 
-    def _layer_index(self, as_present: bool) -> "np.ndarray | torch.Tensor":
-        """Each per-tensor value's layer (the host's ``bincount`` index), or the device's padded
-        (layers x widest layer) table of value positions; made once per plan."""
+    def _layer_index(self, as_present: bool) -> "list[int] | torch.Tensor":
+        """Each per-tensor value's layer (the host's loop and ``bincount`` index), or the device's
+        padded (layers x widest layer) table of value positions; made once per plan."""
         plan = self._plan
         index = plan.index_present if as_present else plan.index
         if index is not None:
@@ -291,7 +293,7 @@ class GradStats:
         layer_of, present = self.layer_map.layer_of, plan.present
         cols = range(len(present)) if as_present else plan.order()
         if self._host:
-            index = np.array([layer_of[present[pos]] for pos in cols], dtype=np.intp)
+            index = [layer_of[present[pos]] for pos in cols]
         else:
             rows: list[list[int]] = [[] for _ in range(self.layer_map.num_layers)]
             for col, pos in enumerate(cols):
@@ -306,20 +308,26 @@ class GradStats:
             plan.index = index
         return index
 
-    def _host_squares(self, per_tensor: torch.Tensor, inv_scale: torch.Tensor | None,
-                      weight: torch.Tensor | None) -> np.ndarray:
-        """The CPU's ``(per_tensor * inv_scale) ** 2 * weight``, in float64 and in numpy (module note)."""
+    def _host_layer_sq(self, per_tensor: torch.Tensor, inv_scale: torch.Tensor | None,
+                       weight: torch.Tensor | None, as_present: bool) -> list[float]:
+        """The CPU's per-layer sums of ``(per_tensor * inv_scale) ** 2 * weight``, as Python floats
+        (module note): each value read once as a float64 (exact), then numpy's ``multiply``,
+        ``square`` and ``bincount`` done in their order, the same bits."""
         if per_tensor.requires_grad:  # gradients of a backward(create_graph=True)
             per_tensor = per_tensor.detach()
-        x = per_tensor.numpy() if per_tensor.dtype in (torch.float32, torch.float64) else _float64(per_tensor)
-        if inv_scale is None:
-            x = np.square(x, dtype=np.float64)  # each value cast to float64 (exact), then squared
-        else:
-            x = np.multiply(x, float(inv_scale), dtype=np.float64)
-            np.square(x, out=x)
-        if weight is not None:
-            x *= weight.numpy()
-        return x
+        # (read through numpy, as the statistics vector is: no torch scalar read, see tests/test_async.py)
+        index, values = self._layer_index(as_present), _float64(per_tensor).tolist()
+        sq = [0.0] * self.layer_map.num_layers
+        if inv_scale is None and weight is None:
+            for layer, x in zip(index, values):
+                sq[layer] += x * x
+            return sq
+        s = 1.0 if inv_scale is None else float(inv_scale)
+        weights = repeat(1.0) if weight is None else weight.numpy().tolist()
+        for layer, x, w in zip(index, values, weights):
+            x *= s  # (x * 1.0 and y * 1.0 are x and y, bit for bit)
+            sq[layer] += x * x * w
+        return sq
 
     def _shared(self, dgrads: Any, shared: "tuple[list[int], list[torch.Tensor], list[int]]") -> torch.Tensor | None:
         """This step's per-tensor norms from the loop's clip (its own norm pass, before it scaled
@@ -343,8 +351,11 @@ class GradStats:
         return stacked if self._host else to_device(stacked, self._device, self._dtype)
 
     def layer_sq_norms(self, inv_scale: torch.Tensor | None = None, *, exact: bool | None = None,
-                       shared: "tuple[list[int], list[torch.Tensor], list[int]] | None" = None) -> torch.Tensor:
-        """Squared L2 norm of each layer's gradient, shape ``(num_layers,)``, on :attr:`device`.
+                       shared: "tuple[list[int], list[torch.Tensor], list[int]] | None" = None,
+                       as_list: bool = False) -> "torch.Tensor | list[float]":
+        """Squared L2 norm of each layer's gradient, shape ``(num_layers,)``, on :attr:`device`
+        (``as_list``, when that is the CPU: as a list of floats, from which the statistics vector
+        is built without a torch or numpy call per entry).
 
         ``inv_scale`` (a device scalar) unscales gradients that a fused optimizer will unscale
         itself inside its kernel (GradScaler + fused Adam leaves them scaled). ``exact``:
@@ -356,6 +367,8 @@ class GradStats:
         dgrads = self._grads()
         dtype = self._dtype
         if not dgrads:
+            if as_list and self._host:
+                return [0.0] * self.layer_map.num_layers
             return torch.zeros(self.layer_map.num_layers, dtype=dtype, device=self._device)
         per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
         as_present = self.last_shared = per_tensor is not None
@@ -363,7 +376,8 @@ class GradStats:
             dgrads, per_tensor = self._planned(lambda gs: self._norms(gs, exact, dtype), dgrads)
         weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
         if self._host:
-            return self._per_layer(self._host_squares(per_tensor, inv_scale, weight), as_present=as_present)
+            sq = self._host_layer_sq(per_tensor, inv_scale, weight, as_present)
+            return sq if as_list else torch.tensor(sq, dtype=torch.float64)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
@@ -382,7 +396,7 @@ class GradStats:
                 norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
             else:
                 norms = grp.plan.norms(grads, acc)
-            # on the host, in their own precision: the squares are taken in float64 (_host_squares)
+            # on the host, in their own precision: the squares are taken in float64 (_host_layer_sq)
             parts.append(norms if self._host and norms.is_cpu else to_device(norms, self._device, dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

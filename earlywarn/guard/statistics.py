@@ -47,7 +47,7 @@ class StepTag:
         self.inv_scale: torch.Tensor | None = None  # for the rare-path recount (sync mode)
         self.gen = 0  # the watcher's rewind generation when the step ran (async mode)
         self.clip: torch.Tensor | None = None  # the loop's clip factor, undone in the statistics (and the recount)
-        self.sq_sum: float | None = None  # the layers' squared norms summed, once read (sync mode)
+        self.sq_sum: float | None = None  # the layers' squared norms summed (a CPU vector: as it is made)
 
 
 def as_scalar(value: Any, fn: str, what: str) -> torch.Tensor:
@@ -78,13 +78,13 @@ def _onto(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
 _NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
 
 
-def _host_value(t: torch.Tensor) -> np.ndarray:
-    """A CPU scalar (0-d or 1-element) as numpy sees it, for the host's float64 vector: a view, as
-    the vector itself is read (``SyncReader``), not a scalar read per value. Other dtypes are
-    converted as ``_onto`` and ``torch.cat`` convert them (a complex value: its real part)."""
+def _host_value(t: torch.Tensor) -> float:
+    """A CPU scalar (0-d or 1-element) as the host's float64 vector holds it, read through numpy
+    as the vector itself is read (``SyncReader``), not as a torch scalar read per value. Other
+    dtypes are converted as ``_onto`` and ``torch.cat`` convert them (a complex value: its real part)."""
     if not t.is_cpu or t.dtype not in _NUMPY_FLOATS:
         t = t.to("cpu", torch.float64)
-    return t.numpy()
+    return t.numpy().item()
 
 
 def _sum_of(layer_sq: np.ndarray) -> float:
@@ -127,7 +127,7 @@ class StepStatistics:
         # where the vector lives, its "not reported" and "not checked" entries, a finite step's
         # non-finite counts: made once, not per step
         self._dev, self._dt = self.stats.device, stat_dtype(self.stats.device)
-        self._host = self._dev.type == "cpu"  # the vector is filled in numpy (_host_vector)
+        self._host = self._dev.type == "cpu"  # the vector is built from Python floats (_host_vector)
         self._nan_entry = torch.full((1,), math.nan, dtype=self._dt, device=self._dev)
         self._zero_entry = torch.zeros(1, dtype=self._dt, device=self._dev)
         self._no_counts = np.zeros(self.num_layers)
@@ -192,7 +192,7 @@ class StepStatistics:
         took = self.clipping.take(dev, dt)
         clip = None if took is None else took.coef
         shared = None if took is None or took.versions is None else (took.ids, took.norms, took.versions)
-        layer_sq = self.stats.layer_sq_norms(inv_scale, shared=shared)
+        layer_sq = self.stats.layer_sq_norms(inv_scale, shared=shared, as_list=self._host)
         if clip is not None and not (shared is not None and self.stats.last_shared):
             layer_sq = unclip(layer_sq, clip)  # the detector reads them as they were
         reported = self._reported
@@ -211,8 +211,11 @@ class StepStatistics:
                 users.append((key, self.num_layers + 2 + j))
         every = self.state_check_every
         flag = self.state_check.flag(dev, dt) if every and step % every == 0 else None
+        sq_sum = None
         if self._host:
             vec = self._host_vector(layer_sq, entries, flag)
+            if self.reducer is None:  # (summed over ranks, the vector's layers are other numbers)
+                sq_sum = sum(layer_sq, 0.0)  # what _sum_of gives of the vector, from the list at hand
         else:
             vec = torch.cat([layer_sq, *(nan if e is None else _onto(e, dev, dt) for e in entries),
                              self._zero_entry if flag is None else flag])
@@ -222,31 +225,29 @@ class StepStatistics:
         # vector is read (a step later in async mode, when the scheduler has moved on)
         self._step_lr[step] = self.effective_lr(learning_rate(self.optimizer))
         tag = StepTag(step, step, None, loss is not None)
-        tag.inv_scale, tag.clip = inv_scale, clip
+        tag.inv_scale, tag.clip, tag.sq_sum = inv_scale, clip, sq_sum
         if users:
             tag.users = tuple(users)
         return vec, tag
 
-    def _host_vector(self, layer_sq: torch.Tensor, entries: "list[torch.Tensor | None]",
+    def _host_vector(self, layer_sq: list[float], entries: "list[torch.Tensor | None]",
                      flag: torch.Tensor | None) -> torch.Tensor:
-        """The vector of a run whose statistics live on the CPU, filled in numpy: the same entries
-        as the device's ``torch.cat``, without its small torch ops (see ``capture.gradstats``)."""
-        L = self.num_layers
-        v = np.empty(L + len(entries) + 1)
-        v[:L] = layer_sq.numpy()
-        for i, e in enumerate(entries, L):
-            v[i:i + 1] = math.nan if e is None else _host_value(e)
-        v[-1:] = 0.0 if flag is None else _host_value(flag)
-        return torch.from_numpy(v)
+        """The vector of a run whose statistics live on the CPU, made from Python floats in one
+        call: the same entries as the device's ``torch.cat``, without its small torch ops (see
+        ``capture.gradstats``)."""
+        v = layer_sq + [math.nan if e is None else _host_value(e) for e in entries]
+        v.append(0.0 if flag is None else _host_value(flag))
+        return torch.tensor(v, dtype=torch.float64)
 
     def read_now(self, vec: torch.Tensor, tag: StepTag) -> np.ndarray:
         """The step's one batched host read (sync mode); a bad step is recounted exactly."""
         host, _ = self.reader.push(vec, tag)
         L = self.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
-        sq_sum = _sum_of(host[:L])
+        sq_sum = _sum_of(host[:L]) if tag.sq_sum is None else tag.sq_sum
         if math.isfinite(sq_sum):
             tag.sq_sum = sq_sum
             return host
+        tag.sq_sum = None  # the recount below may change the layers' values
         # Rare path (a bad step): a second pass for exact per-layer element counts.
         counts = self.stats.layer_nonfinite_counts()
         if self.reducer is not None:  # every rank is on this path (same vector): matched collective
