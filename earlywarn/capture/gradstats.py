@@ -117,9 +117,9 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
     return torch.float32
 
 
-def _float64(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a float64 array, or as an array numpy widens to float64 exactly
-    (a view when they are float32 or float64 already)."""
+def _host_values(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array whose values widen to float64 exactly (a view when
+    they are float32 or float64 already, else a float64 copy)."""
     return (t if t.dtype in (torch.float64, torch.float32) else t.double()).numpy()
 
 
@@ -278,7 +278,7 @@ class GradStats:
         between runs."""
         index = self._layer_index(as_present)
         if self._host:
-            values = _float64(per_tensor)
+            values = _host_values(per_tensor)
             return torch.from_numpy(np.bincount(index, weights=values, minlength=self.layer_map.num_layers))
         padded = torch.cat([per_tensor, per_tensor.new_zeros(1)])
         return padded[index].sum(dim=1)
@@ -315,8 +315,8 @@ class GradStats:
         ``square`` and ``bincount`` done in their order, the same bits."""
         if per_tensor.requires_grad:  # gradients of a backward(create_graph=True)
             per_tensor = per_tensor.detach()
-        # (read through numpy, as the statistics vector is: no torch scalar read, see tests/test_async.py)
-        index, values = self._layer_index(as_present), _float64(per_tensor).tolist()
+        # (the norms read through numpy, as the statistics vector is: no torch scalar read per value)
+        index, values = self._layer_index(as_present), _host_values(per_tensor).tolist()
         sq = [0.0] * self.layer_map.num_layers
         if inv_scale is None and weight is None:
             for layer, x in zip(index, values):
