@@ -8,9 +8,12 @@
     python benchmarks/overhead.py --alternatives [--steps 12]     # 11M GPT: vs clip, wandb.watch, .item()
     python benchmarks/overhead.py --agreement [--steps 60]        # DDP, gloo, 2 processes
 
-The table (default): for each shape (``benchmarks/step_shapes.py``) four copies of the same model
+The table (default): for each shape (``benchmarks/step_shapes.py``) five copies of the same model
 and data train side by side in one process -- the bare loop, the bare loop again (the A/A control:
-what the machine's noise alone makes of two identical variants), ``watch(sinks=[])`` (the guard
+what the machine's noise alone makes of two identical variants), the bare loop with torch's norm
+pass over the gradients right after backward (the floor of any gradient guard), the bare loop with
+one ``clip_grad_norm_`` there (what a loop that clips pays; both timed in place as the guard is, and
+not for ``+clip`` shapes, which clip already), ``watch(sinks=[])`` (the guard
 alone) and ``watch()`` with the default sinks -- one step each in turn, the order reversed every
 other turn (ABBA), so that they share the machine's every moment; ``--block`` turns make a round,
 whose means include the amortised snapshots. "paired" is the median over rounds of (the
@@ -298,7 +301,13 @@ GOALS = {  # (shape, variant) -> the issue's goal: a ratio at most this
     ("gpt", "defaults"): 1.02, ("lora", "defaults"): 1.03, ("tinylm", "defaults"): 1.03,
     ("cnn", "defaults"): 1.03, ("gpt+clip", "defaults"): 1.02,
 }
-VARIANTS = ("bare", "bare again (A/A)", "guard alone", "defaults")
+NORM_FLOOR, CLIP_FLOOR = "the norm pass alone", "one clip in place"
+"""Two variants without earlywarn, each timed in place as the guard is, right after backward on
+the caches it leaves: torch's own norm pass over the gradients (``get_total_norm(foreach=True)``),
+the floor of any guard that reads them, and a whole ``clip_grad_norm_(foreach=True)`` (max_norm
+1e9: the factor is 1, the gradients unchanged; torch still multiplies them by it), what a loop
+that clips pays."""
+VARIANTS = ("bare", "bare again (A/A)", NORM_FLOOR, CLIP_FLOOR, "guard alone", "defaults")
 
 
 def _on_thread_clock(fn, record):
@@ -330,6 +339,7 @@ class _Run:
         elif variant == "defaults":
             os.environ["EARLYWARN_OUTPUT_DIR"] = os.path.join(out_dir, shape, package.__name__)
             self.ew = package.watch(self.model, self.opt)
+        self.floor = variant if variant in (NORM_FLOOR, CLIP_FLOOR) else None
         self.inner = 0.0  # CPU time of the update itself and of the fingerprints, this step
         if self.ew is not None and timed:
             self.ew._install.real_step = self._timed(self.ew._install.real_step, sign=1)
@@ -355,11 +365,16 @@ class _Run:
         loss.backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        f0 = time.thread_time()
+        if self.floor == NORM_FLOOR:
+            torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None], foreach=True)
+        elif self.floor == CLIP_FLOOR:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1e9, foreach=True)
         s0 = time.thread_time()
         self.opt.step()
         s1 = time.thread_time()
         self.i += 1
-        guard = (s1 - s0) - self.inner + (r1 - r0) if self.ew is not None else 0.0
+        guard = (s1 - s0) - self.inner + (r1 - r0) if self.ew is not None else s0 - f0
         return time.perf_counter() - w0, time.thread_time() - c0, s1 - s0, guard
 
     def clip_time(self) -> float:
@@ -405,7 +420,8 @@ def _interleave(runs: dict[str, _Run], rounds: int, block: int, warm: int, *,
 
 def _measure(shape: str, rounds: int, block: int, warm: int, out_dir: str) -> dict[str, dict[str, list[float]]]:
     """The table's variants of ``shape``, interleaved (:func:`_interleave`); ``small`` with a clip."""
-    return _interleave({v: _Run(shape, v, out_dir) for v in VARIANTS}, rounds, block, warm, clip=shape == "small")
+    variants = [v for v in VARIANTS if not (v in (NORM_FLOOR, CLIP_FLOOR) and shape.endswith("+clip"))]  # (it clips)
+    return _interleave({v: _Run(shape, v, out_dir) for v in variants}, rounds, block, warm, clip=shape == "small")
 
 
 def _paired(xs: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -430,7 +446,7 @@ def table() -> None:
     for shape in args.shapes.split(","):
         rec = _measure(shape, args.rounds, args.block, args.warm, out_dir)
         bare = rec["bare"]
-        for v in VARIANTS[1:]:
+        for v in list(rec)[1:]:
             goal = GOALS.get((shape, v))
             guard = statistics.median(rec[v]["guard"])
             wall, lo, hi = _paired(rec[v]["wall"], bare["wall"])

@@ -136,6 +136,8 @@ def test_the_host_vector_is_the_device_vector_entry_for_entry():
             tags.append(tag.users)
             st.close()
         host_vec, dev_vec = vecs
+        assert isinstance(host_vec, np.ndarray)  # the host's copy already: read as it is
+        host_vec = torch.from_numpy(host_vec)
         assert host_vec.dtype == dev_vec.dtype and host_vec.shape == dev_vec.shape
         assert host_vec.numpy().tobytes() == dev_vec.numpy().tobytes(), (step, host_vec, dev_vec)
         assert tags[0] == tags[1]
@@ -162,7 +164,8 @@ def test_the_cpus_per_layer_loop_is_numpys_square_and_bincount_bit_for_bit(scale
     norms[0], norms[-1] = 3e19, math.nan  # a square that overflows float32 (not float64), a NaN
     inv = torch.tensor(0.37, dtype=torch.float64) if scaled else None
     weight = torch.rand(n, generator=g, dtype=torch.float64) if weighted else None
-    got = stats._host_layer_sq(norms, inv, weight, as_present=False)
+    # in pieces, as a norm plan computes them (a stack's, the others'), of two precisions: read in order
+    got = stats._host_layer_sq([norms[:3], norms[3:].double()], inv, weight, as_present=False)
     x = norms.numpy().astype(np.float64)
     if inv is not None:
         x = x * float(inv)

@@ -308,15 +308,18 @@ class GradStats:
             plan.index = index
         return index
 
-    def _host_layer_sq(self, per_tensor: torch.Tensor, inv_scale: torch.Tensor | None,
+    def _host_layer_sq(self, parts: list[torch.Tensor], inv_scale: torch.Tensor | None,
                        weight: torch.Tensor | None, as_present: bool) -> list[float]:
         """The CPU's per-layer sums of ``(per_tensor * inv_scale) ** 2 * weight``, as Python floats
-        (module note): each value read once as a float64 (exact), then numpy's ``multiply``,
-        ``square`` and ``bincount`` done in their order, the same bits."""
-        if per_tensor.requires_grad:  # gradients of a backward(create_graph=True)
-            per_tensor = per_tensor.detach()
-        # (the norms read through numpy, as the statistics vector is: no torch scalar read per value)
-        index, values = self._layer_index(as_present), _host_values(per_tensor).tolist()
+        (module note), ``parts``: the per-tensor norms in pieces (``_norms``): each value read
+        once as a float64 (exact), then numpy's ``multiply``, ``square`` and ``bincount`` done in
+        their order, the same bits."""
+        # (the norms read through numpy, as the statistics vector is: no torch scalar read per value;
+        # detached: gradients of a backward(create_graph=True) have norms that require grad)
+        values = _host_values(parts[0].detach() if parts[0].requires_grad else parts[0]).tolist()
+        for part in parts[1:]:
+            values += _host_values(part.detach() if part.requires_grad else part).tolist()
+        index = self._layer_index(as_present)
         sq = [0.0] * self.layer_map.num_layers
         if inv_scale is None and weight is None:
             for layer, x in zip(index, values):
@@ -373,11 +376,14 @@ class GradStats:
         per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
         as_present = self.last_shared = per_tensor is not None
         if per_tensor is None:
-            dgrads, per_tensor = self._planned(lambda gs: self._norms(gs, exact, dtype), dgrads)
+            dgrads, parts = self._planned(lambda gs: self._norms(gs, exact, dtype), dgrads)
+        else:
+            parts = [per_tensor]
         weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
         if self._host:
-            sq = self._host_layer_sq(per_tensor, inv_scale, weight, as_present)
+            sq = self._host_layer_sq(parts, inv_scale, weight, as_present)
             return sq if as_list else torch.tensor(sq, dtype=torch.float64)
+        per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
         if inv_scale is not None:
             per_tensor = per_tensor * to_device(inv_scale, self._device, dtype)
         sq = per_tensor.square()
@@ -385,22 +391,23 @@ class GradStats:
             sq = sq * weight
         return self._per_layer(sq, as_present=as_present)
 
-    def _norms(self, dgrads: Any, exact: bool, dtype: torch.dtype) -> torch.Tensor:
-        """Per-tensor norms of the planned gradients, in the plan's order, on :attr:`device`."""
-        parts = []
+    def _norms(self, dgrads: Any, exact: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per-tensor norms of the planned gradients, in the plan's order, on :attr:`device`: the
+        1-D pieces they are computed in (the host reads each as it is; a device joins them)."""
+        parts: list[torch.Tensor] = []
         plan = self._plan
         for grp in plan.groups:
             grads = dgrads if plan.simple else [_local(dgrads[m]) for m in grp.members]
             acc = grp.acc_exact if exact else grp.acc
             if grp.plan is None:  # sparse
-                norms = torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])
+                pieces = [torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])]
             else:
-                norms = grp.plan.norms(grads, acc)
+                pieces = grp.plan.parts(grads, acc)
             # on the host, in their own precision: the squares are taken in float64 (_host_layer_sq)
-            parts.append(norms if self._host and norms.is_cpu else to_device(norms, self._device, dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts += [p if self._host and p.is_cpu else to_device(p, self._device, dtype) for p in pieces]
+        return parts
 
-    def _planned(self, pass_: Callable[[Any], torch.Tensor], dgrads: Any) -> tuple[Any, torch.Tensor]:
+    def _planned(self, pass_: Callable[[Any], Any], dgrads: Any) -> tuple[Any, Any]:
         """``pass_(dgrads)`` through the current plan, planned again once if it failed because a
         gradient is not what it was when first read -- turned sparse or dense again, resized,
         another dtype. Plans are made from each gradient as first read: checking every gradient

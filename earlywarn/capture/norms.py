@@ -78,13 +78,19 @@ class NormPlan:
     def norms(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         """The L2 norm of each tensor (``tensors``: the planned list, this step's values),
         accumulated in ``dtype`` (``None``: the tensors' own; complex tensors give real norms)."""
+        parts = self.parts(tensors, dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def parts(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """:meth:`norms` as the 1-D pieces it joins, in order (each stack's, then the others'):
+        a host that reads the values reads each piece, one torch call fewer."""
         parts = [torch.linalg.vector_norm(torch.stack(pick(tensors)).view(k, -1), dim=1, dtype=dtype)
                  for pick, k in self._stacks]
         if self._rest is not None:
             rest = self._rest(tensors)
             norms = torch._foreach_norm(rest, 2) if dtype is None else torch._foreach_norm(rest, 2, dtype=dtype)
             parts.append(torch.stack(norms))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts
 
 
 class NormSum:

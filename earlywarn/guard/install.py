@@ -54,6 +54,7 @@ class Installation:
         self.optimizer = optimizer
         self.scaler = scaler
         self.fused = fused
+        self._sgd = isinstance(optimizer, torch.optim.SGD)  # (its first skipped fused step is special: _fused_step)
         self._flag_device = flag_device
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants, made once
         self.scaler_decided: bool | None = None  # scaler.step decided this step (skip?) before its inner step()
@@ -100,7 +101,7 @@ class Installation:
             # GradScaler's found_inf is a *sum* over devices (2.0 on two); the fused kernels skip
             # only when it == 1 (and _fused_adam then subtracts it from `step`): 0 or 1, nothing else.
             found = ((found + prior.to(found.device, found.dtype)) > 0).to(found.dtype)
-        if _sgd_first_step(opt) and bool(found.item()):
+        if self._sgd and _sgd_first_step(opt) and bool(found.item()):
             # A skipped first fused-SGD step leaves the momentum buffers torch just allocated
             # uninitialised (empty_like): decide on the host (one read, first step only).
             return None

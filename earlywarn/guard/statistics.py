@@ -124,14 +124,11 @@ class StepStatistics:
         self.optimizer = optimizer
         self.scaler = scaler
         self.stats = GradStats(layer_map, exact=late)
-        # where the vector lives, its "not reported" and "not checked" entries, a finite step's
-        # non-finite counts: made once, not per step
+        # where the vector lives, its "not reported" and "not checked" entries: made once, not per step
         self._dev, self._dt = self.stats.device, stat_dtype(self.stats.device)
         self._host = self._dev.type == "cpu"  # the vector is built from Python floats (_host_vector)
         self._nan_entry = torch.full((1,), math.nan, dtype=self._dt, device=self._dev)
         self._zero_entry = torch.zeros(1, dtype=self._dt, device=self._dev)
-        self._no_counts = np.zeros(self.num_layers)
-        self._no_counts.setflags(write=False)
         # the loop's clip_grad_norm_ (between backward and this step): its factor, to read the raw norms
         self.clipping = observe_clipping(layer_map.params)
         # Alone, a step is judged as soon as its vector has landed; under torch.distributed
@@ -180,9 +177,10 @@ class StepStatistics:
             acc.add(value)
 
     # -- the vector ----------------------------------------------------------------------------------
-    def vector(self, step: int, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, StepTag]:
+    def vector(self, step: int, inv_scale: torch.Tensor | None) -> "tuple[torch.Tensor | np.ndarray, StepTag]":
         """This step's statistics vector (on the device; reduced over ranks) and its tag (without
-        the step's batch and run step, which the watcher fills in)."""
+        the step's batch and run step, which the watcher fills in). On the CPU, read at once
+        (sync mode, one process), it is a numpy array: the host's copy already."""
         if self.backward_rank is None:
             self._settle_backward_order()
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
@@ -216,6 +214,8 @@ class StepStatistics:
             vec = self._host_vector(layer_sq, entries, flag)
             if self.reducer is None:  # (summed over ranks, the vector's layers are other numbers)
                 sq_sum = sum(layer_sq, 0.0)  # what _sum_of gives of the vector, from the list at hand
+            if self.reducer is not None or self.reader.late:
+                vec = torch.from_numpy(vec)  # summed over ranks, or queued: torch's (no copy)
         else:
             vec = torch.cat([layer_sq, *(nan if e is None else _onto(e, dev, dt) for e in entries),
                              self._zero_entry if flag is None else flag])
@@ -231,15 +231,16 @@ class StepStatistics:
         return vec, tag
 
     def _host_vector(self, layer_sq: list[float], entries: "list[torch.Tensor | None]",
-                     flag: torch.Tensor | None) -> torch.Tensor:
+                     flag: torch.Tensor | None) -> np.ndarray:
         """The vector of a run whose statistics live on the CPU, made from Python floats in one
-        call: the same entries as the device's ``torch.cat``, without its small torch ops (see
-        ``capture.gradstats``)."""
+        numpy call: the same entries as the device's ``torch.cat``, without its small torch ops
+        (see ``capture.gradstats``). A numpy array is what the host reads: a torch tensor made
+        only to be read back costs two more calls, ~40 us on the caches a backward leaves."""
         v = layer_sq + [math.nan if e is None else _host_value(e) for e in entries]
         v.append(0.0 if flag is None else _host_value(flag))
-        return torch.tensor(v, dtype=torch.float64)
+        return np.array(v, dtype=np.float64)
 
-    def read_now(self, vec: torch.Tensor, tag: StepTag) -> np.ndarray:
+    def read_now(self, vec: "torch.Tensor | np.ndarray", tag: StepTag) -> np.ndarray:
         """The step's one batched host read (sync mode); a bad step is recounted exactly."""
         host, _ = self.reader.push(vec, tag)
         L = self.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
@@ -275,7 +276,7 @@ class StepStatistics:
         if tag.counts is not None:
             nonfinite = tag.counts
         elif math.isfinite(total):
-            nonfinite = self._no_counts  # read-only zeros: nothing to count on a finite step
+            nonfinite = None  # nothing to count on a finite step (the detector then counts nothing either)
         else:
             nonfinite = (~np.isfinite(layer_sq)).astype(np.float64)
         extras = {"loss_scale": float(host[L + 1])} if self.scaler is not None else {}

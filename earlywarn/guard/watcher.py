@@ -387,7 +387,7 @@ class Watcher:
             self.recovery.record_step(tag.step, maybe_clean=ep.clean(tag.step), building=ep.building(tag.step))
         return out
 
-    def _begin(self, inv_scale: torch.Tensor | None) -> tuple[torch.Tensor, StepTag]:
+    def _begin(self, inv_scale: torch.Tensor | None) -> "tuple[torch.Tensor | np.ndarray, StepTag]":
         clock = self.telemetry.clock
         vec, tag = self.statistics.vector(clock.step, inv_scale)
         tag.run_step, tag.batch, tag.gen = clock.run(clock.step), self.recovery.last_batch(), self._gen
@@ -395,7 +395,7 @@ class Watcher:
         clock.step += 1
         return vec, tag
 
-    def _judge_now(self, vec: torch.Tensor, tag: StepTag) -> Decision:
+    def _judge_now(self, vec: "torch.Tensor | np.ndarray", tag: StepTag) -> Decision:
         return self._judge(self.statistics.read_now(vec, tag), tag)
 
     def _judge(self, host: np.ndarray, tag: StepTag) -> Decision:
