@@ -457,7 +457,8 @@ def table() -> None:
                 est = statistics.median(g / c for g, c in zip(rec[v]["guard"], rec[v]["clip"])) if guard else 0.0
                 # the net figure: step() less the bare loop's, same round (its A/A row is the noise)
                 net = statistics.median((s - b) / c for s, b, c in zip(rec[v]["step"], bare["step"], rec[v]["clip"]))
-                est_s = f"{est:.3f}x of one clip_grad_norm_ (step() paired: {net:+.3f}x)"
+                est_s = f"{est:.3f}x of one clip_grad_norm_ " + (
+                    "(before step(): no net figure)" if v in (NORM_FLOOR, CLIP_FLOOR) else f"(step() paired: {net:+.3f}x)")
             else:
                 base = f"{statistics.median(bare['cpu']) * 1e3:.2f} ms"
                 est = 1 + statistics.median(g / b for g, b in zip(rec[v]["guard"], bare["cpu"]))
