@@ -307,7 +307,8 @@ the caches it leaves: torch's own norm pass over the gradients (``get_total_norm
 the floor of any guard that reads them, and a whole ``clip_grad_norm_(foreach=True)`` (max_norm
 1e9: the factor is 1, the gradients unchanged; torch still multiplies them by it), what a loop
 that clips pays."""
-VARIANTS = ("bare", "bare again (A/A)", NORM_FLOOR, CLIP_FLOOR, "guard alone", "defaults")
+FLOORS = (NORM_FLOOR, CLIP_FLOOR)
+VARIANTS = ("bare", "bare again (A/A)", *FLOORS, "guard alone", "defaults")
 
 
 def _on_thread_clock(fn, record):
@@ -339,7 +340,7 @@ class _Run:
         elif variant == "defaults":
             os.environ["EARLYWARN_OUTPUT_DIR"] = os.path.join(out_dir, shape, package.__name__)
             self.ew = package.watch(self.model, self.opt)
-        self.floor = variant if variant in (NORM_FLOOR, CLIP_FLOOR) else None
+        self.floor = variant if variant in FLOORS else None
         self.inner = 0.0  # CPU time of the update itself and of the fingerprints, this step
         if self.ew is not None and timed:
             self.ew._install.real_step = self._timed(self.ew._install.real_step, sign=1)
@@ -374,7 +375,7 @@ class _Run:
         self.opt.step()
         s1 = time.thread_time()
         self.i += 1
-        guard = (s1 - s0) - self.inner + (r1 - r0) if self.ew is not None else s0 - f0
+        guard = (s1 - s0) - self.inner + (r1 - r0) if self.ew is not None else s0 - f0 if self.floor else 0.0
         return time.perf_counter() - w0, time.thread_time() - c0, s1 - s0, guard
 
     def clip_time(self) -> float:
@@ -420,7 +421,7 @@ def _interleave(runs: dict[str, _Run], rounds: int, block: int, warm: int, *,
 
 def _measure(shape: str, rounds: int, block: int, warm: int, out_dir: str) -> dict[str, dict[str, list[float]]]:
     """The table's variants of ``shape``, interleaved (:func:`_interleave`); ``small`` with a clip."""
-    variants = [v for v in VARIANTS if not (v in (NORM_FLOOR, CLIP_FLOOR) and shape.endswith("+clip"))]  # (it clips)
+    variants = [v for v in VARIANTS if not (v in FLOORS and shape.endswith("+clip"))]  # (it clips)
     return _interleave({v: _Run(shape, v, out_dir) for v in variants}, rounds, block, warm, clip=shape == "small")
 
 
@@ -458,7 +459,7 @@ def table() -> None:
                 # the net figure: step() less the bare loop's, same round (its A/A row is the noise)
                 net = statistics.median((s - b) / c for s, b, c in zip(rec[v]["step"], bare["step"], rec[v]["clip"]))
                 est_s = f"{est:.3f}x of one clip_grad_norm_ " + (
-                    "(before step(): no net figure)" if v in (NORM_FLOOR, CLIP_FLOOR) else f"(step() paired: {net:+.3f}x)")
+                    "(before step(): no net figure)" if v in FLOORS else f"(step() paired: {net:+.3f}x)")
             else:
                 base = f"{statistics.median(bare['cpu']) * 1e3:.2f} ms"
                 est = 1 + statistics.median(g / b for g, b in zip(rec[v]["guard"], bare["cpu"]))

@@ -316,8 +316,8 @@ class GradStats:
         their order, the same bits."""
         # (the norms read through numpy, as the statistics vector is: no torch scalar read per value;
         # detached: gradients of a backward(create_graph=True) have norms that require grad)
-        values = _host_values(parts[0].detach() if parts[0].requires_grad else parts[0]).tolist()
-        for part in parts[1:]:
+        values: list[float] = []
+        for part in parts:
             values += _host_values(part.detach() if part.requires_grad else part).tolist()
         index = self._layer_index(as_present)
         sq = [0.0] * self.layer_map.num_layers

@@ -101,7 +101,7 @@ class Installation:
             # GradScaler's found_inf is a *sum* over devices (2.0 on two); the fused kernels skip
             # only when it == 1 (and _fused_adam then subtracts it from `step`): 0 or 1, nothing else.
             found = ((found + prior.to(found.device, found.dtype)) > 0).to(found.dtype)
-        if self._sgd and _sgd_first_step(opt) and bool(found.item()):
+        if self._sgd and _first_step_with_momentum(opt) and bool(found.item()):
             # A skipped first fused-SGD step leaves the momentum buffers torch just allocated
             # uninitialised (empty_like): decide on the host (one read, first step only).
             return None
@@ -134,9 +134,8 @@ class Installation:
                 del scaler.step
 
 
-def _sgd_first_step(opt: torch.optim.Optimizer) -> bool:
-    return (isinstance(opt, torch.optim.SGD) and not opt.state
-            and any(g.get("momentum", 0) != 0 for g in opt.param_groups))
+def _first_step_with_momentum(opt: torch.optim.Optimizer) -> bool:
+    return not opt.state and any(g.get("momentum", 0) != 0 for g in opt.param_groups)
 
 
 def _watched_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
