@@ -22,7 +22,10 @@ after each backward pass, one of a few calls of the kind the guard makes is time
 two-line ``stat_dtype`` and its ``learning_rate``, a small torch op and a small numpy call on a
 29-element vector -- first, or behind an untimed call of another kind (the interpreter's own code
 warm again), then again at once, then once more after a 10 ms sleep. The first call pays for the
-caches and TLB entries the backward pass evicted; "again" is the call's own cost.
+caches and TLB entries the backward pass evicted; "again" is the call's own cost. Then what a
+pass over the gradients pays per tensor: the same freshly written bytes passed over as the
+shape's tensors (torch's multi-tensor calls) and as one tensor (the gradients made views of one
+buffer) -- the part of a norm pass or a snapshot copy that a flat gradient buffer would save.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from overhead import _interleave, _on_thread_clock, _Run
+from overhead import WARM, _interleave, _on_thread_clock, _Run
 
 
 def _profile_points() -> list[tuple[object, str, str, int]]:
@@ -155,6 +158,7 @@ def cold(args: argparse.Namespace) -> None:
     for name in names:
         print(f"| {name} | " + " | ".join(f"{statistics.median(times[(name, m)]) * 1e6:.1f} us" for m in modes) + " |")
     _first_read(args)
+    _per_tensor_price(args)
 
 
 def _first_read(args: argparse.Namespace) -> None:
@@ -189,6 +193,61 @@ def _first_read(args: argparse.Namespace) -> None:
     print(f"  the read itself {statistics.median(read) * 1e6:.0f} us; the update after it is {saved * 1e6:.0f} us "
           f"cheaper (paired median; update alone {statistics.median(upd['plain']) * 1e3:.2f} ms): the in-place "
           "guard time counts this work, the paired step() column does not")
+
+
+def _per_tensor_price(args: argparse.Namespace) -> None:
+    """What a pass over the gradients costs per tensor on the CPU, right after backward. The
+    shape's gradients are made views of one flat buffer (zeroed in place, so backward writes into
+    it), and each step one pass is timed first: over the tensors, as torch's multi-tensor calls
+    make it (the clip's ``_foreach_norm``; a snapshot's ``_foreach_copy_``), or over the same bytes
+    as one tensor. Same memory, as freshly written: the difference is the price per tensor."""
+    import numpy as np
+
+    run = _Run(args.cold, "bare", tempfile.mkdtemp(prefix="ew-cold-"), timed=False)
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    flat = torch.zeros(sum(p.numel() for p in params))
+    grads, at = [], 0
+    for p in params:
+        p.grad = flat[at:at + p.numel()].view_as(p)
+        grads.append(p.grad)
+        at += p.numel()
+    flat_np, starts = flat.numpy(), np.cumsum([0] + [p.numel() for p in params[:-1]])
+    flat_copy, copies = torch.empty_like(flat), [torch.empty_like(p) for p in params]
+    # (the pass over the tensors, the same pass over one tensor): torch has no per-segment norm,
+    # so one tensor's per-tensor norms are numpy's squares summed by segment
+    passes: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "per-tensor norms (one tensor: np.square, np.add.reduceat)": (
+            lambda: torch.stack(torch._foreach_norm(grads)),
+            lambda: np.sqrt(np.add.reduceat(np.square(flat_np), starts))),
+        "total norm (one tensor: vector_norm)": (
+            lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
+            lambda: torch.linalg.vector_norm(flat)),
+        "a copy, as a snapshot's (one tensor: copy_)": (
+            lambda: torch._foreach_copy_(copies, grads),
+            lambda: flat_copy.copy_(flat)),
+    }
+    kinds = [(name, j) for name in passes for j in (0, 1)]
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in kinds}
+    for i in range(args.warm + len(kinds) * args.steps):
+        run.opt.zero_grad(set_to_none=False)
+        run.loss_of(i).backward()
+        assert params[0].grad.data_ptr() == flat.data_ptr()  # backward wrote into the views
+        name, j = kinds[i % len(kinds)]
+        t0 = time.thread_time()
+        passes[name][j]()
+        t1 = time.thread_time()
+        if i >= args.warm:
+            times[(name, j)].append(t1 - t0)
+        run.opt.step()
+    n = len(params)
+    print(f"\n{args.cold}: one pass over the gradients right after backward, over {n} tensors (torch's multi-tensor "
+          f"calls) and over the same {flat.numel() * 4 / 1e6:.2f} MB as one tensor (the gradients made views of one "
+          f"buffer); median thread CPU, each pass on every {len(kinds)}th of {len(kinds) * args.steps} steps")
+    print(f"| pass | over {n} tensors | over one tensor | the price per tensor |")
+    print("|---|---:|---:|---:|")
+    for name in passes:
+        a, b = (statistics.median(times[(name, j)]) for j in (0, 1))
+        print(f"| {name} | {a * 1e6:.0f} us | {b * 1e6:.0f} us | {(a - b) / n * 1e6:.1f} us |")
 
 
 # -- knock-outs: what each part costs inside a real step ------------------------------------------------
@@ -274,7 +333,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="--profile, --cold: steps timed")
     ap.add_argument("--rounds", type=int, default=8, help="--knockout: rounds")
     ap.add_argument("--block", type=int, default=25, help="--knockout: steps per round (a snapshot every 25)")
-    ap.add_argument("--warm", type=int, default=60)
+    ap.add_argument("--warm", type=int, default=WARM)
     args = ap.parse_args()
     if sum(a is not None for a in (args.profile, args.knockout, args.cold)) != 1:
         ap.error("give one of --profile SHAPE, --knockout SHAPE and --cold SHAPE")

@@ -94,11 +94,20 @@ def test_cold_prints_every_call_in_every_condition():
     proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--cold", "small", "--steps", "16",
                            "--warm", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and " us |" in line]
+    calls, _, passes = proc.stdout.partition("| pass | over 291 tensors | over one tensor | the price per tensor |")
+    assert passes, proc.stdout
+    rows = [line for line in calls.splitlines() if line.startswith("| ") and " us |" in line]
     assert len(rows) == 4, proc.stdout
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")][1:]
         assert len(cells) == 4 and all(float(c.removesuffix(" us")) > 0 for c in cells), row
+    # the same bytes passed over as 291 tensors and as one: both timed, the difference per tensor
+    rows = [line for line in passes.splitlines() if line.startswith("| ") and " us |" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["per-tensor norms (one tensor: np.square, np.add.reduceat)", "total norm (one tensor: vector_norm)",
+                                                   "a copy, as a snapshot's (one tensor: copy_)"]
+    for row in rows:
+        many, one, each = (float(c.strip().removesuffix(" us")) for c in row.strip("|").split("|")[1:])
+        assert many > 0 and one > 0 and abs(each - (many - one) / 291) <= 0.06, row
     # the update's share of the gradients' first read, paired: the read timed, the update's change signed
     m = re.search(r"the read itself (\d+) us; the update after it is (-?\d+) us cheaper", proc.stdout)
     assert m is not None, proc.stdout
