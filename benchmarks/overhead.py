@@ -396,9 +396,9 @@ WARM = 110
 """Steps every run takes before any is timed: the detector's warm-up and the first snapshots.
 Until the ring of snapshots is full (steps 0, 25, 50 and 75 at the default cadence) each snapshot
 allocates its buffers and plans its copy, walking the whole state (~1 ms more than a planned copy
-on small, ~40 ms on moe_wide, whose idle experts get optimizer state as they are first routed);
-from step 100 on each reuses an evicted one's buffers and plan. Those are a run's one-time costs,
-not its per-step price."""
+on small); from step 100 on each reuses an evicted one's buffers and plan (moe's idle experts get
+optimizer state as they are first routed: its last plan is made at step 100). Those are a run's
+one-time costs, not its per-step price."""
 
 
 def _interleave(runs: dict[str, _Run], rounds: int, block: int, warm: int, *,

@@ -205,7 +205,7 @@ def _per_tensor_price(args: argparse.Namespace) -> None:
 
     run = _Run(args.cold, "bare", tempfile.mkdtemp(prefix="ew-cold-"), timed=False)
     params = [p for p in run.model.parameters() if p.requires_grad]
-    flat = torch.zeros(sum(p.numel() for p in params))
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)  # (every shape's: one dtype)
     grads, at = [], 0
     for p in params:
         p.grad = flat[at:at + p.numel()].view_as(p)
@@ -241,7 +241,7 @@ def _per_tensor_price(args: argparse.Namespace) -> None:
         run.opt.step()
     n = len(params)
     print(f"\n{args.cold}: one pass over the gradients right after backward, over {n} tensors (torch's multi-tensor "
-          f"calls) and over the same {flat.numel() * 4 / 1e6:.2f} MB as one tensor (the gradients made views of one "
+          f"calls) and over the same {flat.numel() * flat.element_size() / 1e6:.2f} MB as one tensor (the gradients made views of one "
           f"buffer); median thread CPU, each pass on every {len(kinds)}th of {len(kinds) * args.steps} steps")
     print(f"| pass | over {n} tensors | over one tensor | the price per tensor |")
     print("|---|---:|---:|---:|")
