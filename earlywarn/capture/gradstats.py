@@ -403,8 +403,10 @@ class GradStats:
                 pieces = [torch.stack([torch.linalg.vector_norm(g.coalesce()._values(), dtype=acc) for g in grads])]
             else:
                 pieces = grp.plan.parts(grads, acc)
-            # on the host, in their own precision: the squares are taken in float64 (_host_layer_sq)
-            parts += [p if self._host and p.is_cpu else to_device(p, self._device, dtype) for p in pieces]
+            if self._host:  # read piece by piece, in their own precision: squared in float64 (_host_layer_sq)
+                parts += [p if p.is_cpu else to_device(p, self._device, dtype) for p in pieces]
+            else:  # a device joins them: one copy per group when the group lives elsewhere
+                parts.append(to_device(pieces[0] if len(pieces) == 1 else torch.cat(pieces), self._device, dtype))
         return parts
 
     def _planned(self, pass_: Callable[[Any], Any], dgrads: Any) -> tuple[Any, Any]:
