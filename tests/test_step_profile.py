@@ -112,3 +112,41 @@ def test_cold_prints_every_call_in_every_condition():
     m = re.search(r"the read itself (\d+) us; the update after it is (-?\d+) us cheaper", proc.stdout)
     assert m is not None, proc.stdout
     assert int(m.group(1)) > 0
+
+
+def test_the_least_guard_does_the_work_it_stands_for():
+    # The table's "least guard" row is a floor only if it really reads, decides, checks and copies:
+    # a row that skipped its work would make every goal look within reach.
+    import overhead
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    least = overhead.LeastGuard(model, opt, copy_every=3, state_every=2)
+
+    def step(bad_grad: bool = False) -> None:
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        if bad_grad:
+            model[0].weight.grad[0, 0] = float("nan")
+        least()
+        opt.step()
+
+    for _ in range(4):  # copies at calls 0 and 3: the latter holds the weights as the 4th update found them
+        before = [p.detach().clone() for p in model.parameters()]
+        step()
+    assert len(least.copies) == 4 + 3 * 4  # 4 parameters, then AdamW's step, exp_avg, exp_avg_sq of each
+    assert all(torch.equal(c, b) for c, b in zip(least.copies, before))
+    assert least.copies[4].item() == 3.0  # the state as of the copy: 3 updates taken
+
+    before = [p.detach().clone() for p in model.parameters()]
+    step(bad_grad=True)  # call 4: a non-finite gradient is skipped, the update never sees it
+    assert least.skipped == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+    assert least.state_finite
+    next(iter(opt.state.values()))["exp_avg_sq"].view(-1)[0] = float("inf")
+    step()  # call 5: no state check (every 2nd call)
+    assert least.state_finite
+    step()  # call 6: checked
+    assert not least.state_finite
