@@ -5,6 +5,7 @@
     python benchmarks/overhead.py --knockout gpt [--rounds 8]     # what each part costs, paired (step_profile.py)
     python benchmarks/overhead.py --cold gpt [--steps 200]        # a call's price right after backward (step_profile.py)
     python benchmarks/overhead.py --against REV [--shapes ...]    # the working tree's guard vs git REV's, paired
+    python benchmarks/overhead.py --least gpt [--rounds 10]       # the least guard at rarer cadences, paired
     python benchmarks/overhead.py --alternatives [--steps 12]     # 11M GPT: vs clip, wandb.watch, .item()
     python benchmarks/overhead.py --agreement [--steps 60]        # DDP, gloo, 2 processes
 
@@ -577,6 +578,44 @@ def table() -> None:
           "small); far noisier, its A/A row is its noise")
 
 
+# -- the least guard at other cadences ---------------------------------------------------------------
+LEAST_CADENCES = {  # name -> (copy_every, state_every); NEVER: not after the first step
+    "the defaults' cadences (a copy every 25 steps, a state check every 10)": (25, 10),
+    "no state check (a copy every 25)": (25, None),
+    "a copy every 100, no state check": (100, None),
+    "the norms, their read and the decision only": (None, None),
+}
+
+
+def least() -> None:
+    """``--least SHAPE``: the least guard at rarer cadences than the defaults', side by side (ABBA):
+    what a goal would leave if a guard gave up state checks or snapshots to meet it."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--least", required=True, metavar="SHAPE")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--block", type=int, default=25)
+    ap.add_argument("--warm", type=int, default=WARM)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    out_dir = tempfile.mkdtemp(prefix="ew-least-")
+    never = 1 << 62
+    runs = {"bare": _Run(args.least, "bare", out_dir)}
+    for name, (copy_every, state_every) in LEAST_CADENCES.items():
+        run = runs[name] = _Run(args.least, LEAST_GUARD, out_dir)
+        run.least = LeastGuard(run.model, run.opt, copy_every=copy_every or never, state_every=state_every or never)
+    rec = _interleave(runs, args.rounds, args.block, args.warm)
+    bare = rec["bare"]["cpu"]
+    goal = GOALS.get((args.least, "defaults"))
+    print(f"{args.least}: the least guard in place, {args.rounds} rounds x {args.block} steps, ABBA; bare step "
+          f"{statistics.median(bare) * 1e3:.2f} ms; the goal {'-' if goal is None else f'<= {goal}x'}")
+    print("| cadence | host time / step (in place) | as x of the bare step |")
+    print("|---|---:|---:|")
+    for name in LEAST_CADENCES:
+        g = rec[name]["guard"]
+        est = 1 + statistics.median(x / b for x, b in zip(g, bare))
+        print(f"| {name} | {statistics.median(g) * 1e6:.0f} us | {est:.4f}x |", flush=True)
+
+
 # -- the working tree against an earlier revision ------------------------------------------------------
 def _earlywarn_at(rev: str):
     """``earlywarn/`` as of git revision ``rev``, imported as ``earlywarn_at_<rev>`` (its imports
@@ -643,6 +682,8 @@ if __name__ == "__main__":
         alternatives()
     elif "--against" in sys.argv:
         against()
+    elif "--least" in sys.argv:
+        least()
     elif "--profile" in sys.argv or "--knockout" in sys.argv or "--cold" in sys.argv:
         import step_profile
 
