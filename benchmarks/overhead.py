@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import earlywarn  # noqa: E402
+from earlywarn.capture.norms import NormPlan, NormSum  # noqa: E402
 from tinygpt import GPT, GPTConfig, param_count  # noqa: E402
 
 
@@ -353,8 +354,6 @@ class LeastGuard:
     def __call__(self, clipped: torch.Tensor | None = None) -> None:
         """One step's work; ``clipped``: the total norm the loop's ``clip_grad_norm_`` returned
         (its norm pass serves, as earlywarn shares it: only the read is left)."""
-        from earlywarn.capture.norms import NormPlan, NormSum
-
         if clipped is not None:
             total = clipped.item()
         else:
@@ -370,15 +369,15 @@ class LeastGuard:
             self.skipped += 1
             for p in self.params:
                 p.grad = None  # the update then leaves them alone
-        if self.i % self.state_every == 0:
-            state = self._state()
-            if state:
-                if self.state_sum is None or self.state_sum[0] != len(state):
-                    self.state_sum = (len(state), NormSum(state))  # planned once (torch.optim keeps its tensors)
-                flag = self.state_sum[1].total(state, state[0].device, torch.float32)
-                self.state_finite = flag.item() < float("inf")
-        if self.i % self.copy_every == 0:
-            live = [p.detach() for p in self.params] + self._state()
+        check, copy = self.i % self.state_every == 0, self.i % self.copy_every == 0
+        state = self._state() if check or copy else []  # walked once for both
+        if check and state:
+            if self.state_sum is None or self.state_sum[0] != len(state):
+                self.state_sum = (len(state), NormSum(state))  # planned once (torch.optim keeps its tensors)
+            flag = self.state_sum[1].total(state, state[0].device, torch.float32)
+            self.state_finite = flag.item() < float("inf")
+        if copy:
+            live = [p.detach() for p in self.params] + state
             if self.copies is None or len(self.copies) != len(live):
                 self.copies = [torch.empty_like(t, device="cpu") for t in live]
             torch._foreach_copy_(self.copies, live)
@@ -579,7 +578,7 @@ def table() -> None:
 
 
 # -- the least guard at other cadences ---------------------------------------------------------------
-LEAST_CADENCES = {  # name -> (copy_every, state_every); NEVER: not after the first step
+LEAST_CADENCES = {  # name -> (copy_every, state_every); None: at the first step only, never after
     "the defaults' cadences (a copy every 25 steps, a state check every 10)": (25, 10),
     "no state check (a copy every 25)": (25, None),
     "a copy every 100, no state check": (100, None),
