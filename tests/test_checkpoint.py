@@ -338,6 +338,24 @@ def test_an_unwritable_checkpoint_dir_is_refused_at_watch(tmp_path):
         (tmp_path / "ro").chmod(0o700)
 
 
+
+def test_a_shared_directory_opened_by_several_ranks_at_once_is_writable_on_each(tmp_path, monkeypatch):
+    # A collective writer's directory is shared: rank 0 opens its manager by removing the torn
+    # ".tmp." files an earlier crash left, and another rank's writability probe, written a moment
+    # before, is one of them. That rank had proved the directory writable; it must not be refused
+    # (a refused rank skips the collectives the others then wait in, and the run hangs).
+    real_unlink = Path.unlink
+
+    def probe_removed_by_rank0_first(self, missing_ok=False):
+        if self.name.startswith(".tmp.writable."):
+            real_unlink(self)  # rank 0's cleanup, between this rank's write and its unlink
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", probe_removed_by_rank0_first)
+    manager = CheckpointManager(tmp_path / "shared", keep=1)
+    assert manager.directory.is_dir() and not any(manager.directory.iterdir())  # no probe left behind
+
+
 def test_resume_falls_back_from_a_truncated_newest_checkpoint_and_says_so(tmp_path):
     loader, model, opt, sched, scaler, det = build()
     cfg = RecoveryConfig(snapshot_every=1000, checkpoint_dir=str(tmp_path), checkpoint_every=2, checkpoint_keep=3)

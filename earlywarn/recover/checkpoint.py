@@ -126,7 +126,9 @@ def _check_writable(directory: Path) -> None:
         probe = directory / f".tmp.writable.{os.getpid()}.{threading.get_ident()}"
         with open(probe, "wb") as f:
             f.write(b"earlywarn")
-        probe.unlink()
+        # written: the directory is writable. Gone already: in a shared directory rank 0 removes
+        # ".tmp." files left by a crash as it opens its manager, another rank's live probe included
+        probe.unlink(missing_ok=True)
     except OSError as e:
         raise CheckpointError(
             f"checkpoint directory {directory} is not writable ({type(e).__name__}: [Errno {e.errno}] "
