@@ -9,9 +9,13 @@ optimizer's ``step`` for a patched copy of the method it saw *at prepare time* a
 back afterwards -- which would silently drop a watcher attached after ``prepare``. The saved
 method is re-pointed at the watcher's guarded step here.
 
-Gradients are observed at ``optimizer.step()``: after ``accelerator.clip_grad_norm_`` when the
-loop clips, so the detector sees clipped norms (non-finite gradients are still caught and
-skipped; a spike larger than ``max_norm`` shows as ``max_norm``).
+Gradients are observed at ``optimizer.step()``, after ``accelerator.clip_grad_norm_`` when the loop
+clips. Outside FSDP1 and DeepSpeed that call ends in ``torch.nn.utils.clip_grad_norm_`` (or
+``clip_grads_with_norm_``), which earlywarn follows (``earlywarn/capture/clipping.py``): it divides
+the clip's factor back out, so the detector and the trackers see the norm *before* clipping. Under
+FSDP1 (the model's own ``clip_grad_norm_``), DeepSpeed (its engine clips) or DTensor gradients the
+statistics are the clipped ones: a spike larger than ``max_norm`` shows as ``max_norm``. Non-finite
+gradients are caught and skipped either way.
 """
 
 from __future__ import annotations
