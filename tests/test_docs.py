@@ -114,3 +114,16 @@ def test_every_relative_link_in_the_readme_resolves():
     broken += [f"{t}: no such heading in README.md" for t in targets if t.startswith("#") and t[1:] not in own]
     assert not broken, broken
 
+
+
+def test_the_nanogpt_lines_the_docs_give_are_the_ones_the_conformance_test_runs():
+    """tests/conformance/test_nanogpt_train_py.py adds to nanoGPT's train.py what docs/loops.md
+    tells a user to add; read as text (importing it would pull in the conformance suite)."""
+    import ast
+
+    tree = ast.parse((ROOT / "tests" / "conformance" / "test_nanogpt_train_py.py").read_text())
+    node = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == "EARLYWARN_LINES" for t in n.targets))
+    added = [line.strip() for code in ast.literal_eval(node).values() for line in code.splitlines()]
+    given = {line.strip() for line in (ROOT / "docs" / "loops.md").read_text().splitlines()} | {"import earlywarn"}
+    assert len(added) == 3 and set(added) <= given, [line for line in added if line not in given]

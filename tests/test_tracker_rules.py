@@ -123,7 +123,7 @@ def test_mlflow_attached_to_the_users_run(mlflow_uri, tmp_path, monkeypatch, use
 
 
 def test_mlflow_readme_searches_against_a_real_store(mlflow_server, tmp_path, monkeypatch):
-    """The filter strings the README and docs/trackers.md give, run against runs with and without incidents."""
+    """The filter strings docs/trackers.md gives, run against runs with and without incidents."""
     import mlflow
 
     monkeypatch.chdir(tmp_path)

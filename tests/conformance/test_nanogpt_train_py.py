@@ -1,4 +1,4 @@
-"""nanoGPT's own ``train.py`` (vendored unchanged, see vendor/nanogpt/README.md) with the README's
+"""nanoGPT's own ``train.py`` (vendored unchanged, see vendor/nanogpt/README.md) with the docs'
 earlywarn lines added, run as a user runs it: a subprocess, its configurator's ``--key=value``
 overrides, default earlywarn options and default sinks (console + JSONL + embedded MLflow).
 
@@ -24,7 +24,7 @@ VENDOR = Path(__file__).parent / "vendor" / "nanogpt"
 FAULT_AT = 30
 MAX_ITERS = 60
 
-# What the README tells a nanoGPT user to add (after the optimizer is made; top of the loop).
+# What docs/loops.md tells a nanoGPT user to add (after the optimizer is made; top of the loop).
 EARLYWARN_LINES = {
     "optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)\n":
         "import earlywarn\n"
