@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from earlywarn._renamed import renamed
 from earlywarn.events import Event, Kind, Level
+from earlywarn.lrtrend import LrTrend
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
 
@@ -281,6 +282,9 @@ class PolicyDecision:
     """Why the step is clipped and not skipped, when it is not one more in a long run of outliers."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
+    lr_hold: float | None = None
+    """From this step on, step at no more than this learning rate while the loop's is above it: the
+    rate the run trained at before its learning rate crept up into this trouble (flat, no warming)."""
 
     def __contains__(self, action: object) -> bool:
         return action in self.actions
@@ -367,6 +371,7 @@ class Policy:
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
         self.probe: tuple[int, int, float] | None = None
         self.lrs: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_lookback + 16)  # (tick, LR taken)
+        self.lr_trend = LrTrend()  # a learning rate creeping up past the rates the run trained at
 
     def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
                state_finite: bool | None = None, skipped: bool = False, repairable: bool = False) -> PolicyDecision:
@@ -391,6 +396,7 @@ class Policy:
         back, ceiling, lr_copy, hold_target, clip, clip_note = 0, None, False, False, None, ""
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
+            self.lr_trend.push(evidence.lr)
         nonfinite_now = warned_now = False
         for a in alerts:
             field = _KIND_FIELD.get(a.kind)
@@ -426,6 +432,12 @@ class Policy:
                                                  "a learning-rate jump")
                 back = max(back, probe_back)
 
+        hold = None
+        if self.lr_trend.creeping and any(a.kind in (Kind.COLLAPSE_RISK, Kind.LOSS_DIVERGED) for a in alerts):
+            # the learning rate crept up into this: back to the rate it rose from, not the highest it took calmly
+            hold, ceiling = self.lr_trend.calm_lr, None
+            reasons.append(f"learning rate held at {hold:.3g}: it rose {self.lr_trend.rising} steps in a row to "
+                           f"{self.lr_trend.prev / hold:.3g}x the rate the run trained at before, into this warning")
         if self.trained_on is not None and Action.REWIND not in wanted:
             burst_back, why = self._burst_end(alerts, evidence, t)
             if burst_back:
@@ -453,7 +465,8 @@ class Policy:
             halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak,
             onset_back=back if Action.REWIND in wanted else 0,
             lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
-            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None,
+            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
+            lr_hold=hold,
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
             clip_note=clip_note if clip is not None and Action.CLIP in wanted and not restores else "")
 
@@ -570,6 +583,7 @@ class Policy:
         self.tick += 1
         if lr == lr:
             self.lrs.append((self.tick, lr))
+            self.lr_trend.push(lr)
         return _NOTHING  # (no run of outliers to end: that is watched)
 
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
@@ -653,7 +667,7 @@ class Policy:
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
                 "run_level": list(self.run_level),
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
-                "lrs": [list(x) for x in self.lrs]}
+                "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict()}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.tick = int(d["tick"])
@@ -675,3 +689,4 @@ class Policy:
         self.probe = None if probe is None else (int(probe[0]), int(probe[1]), float(probe[2]))
         self.lrs.clear()
         self.lrs.extend((int(k), float(lr)) for k, lr in d.get("lrs", []))
+        self.lr_trend.load_state_dict(d.get("lr_trend", {}))
