@@ -341,6 +341,28 @@ baselines move to a level held 100 steps: after that the ratios are no longer th
 
 _CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
+TRIAL_AFTER = 2
+"""Outliers skipped in a row after which the next is taken, scaled to the typical norm, as a trial. A skip leaves the model as it was: an outlier that the model's own
+state produces (a spike of the run's own, a warm-up overshoot) comes back at the next batch, and
+skipping it again and again refuses the very step that heals it (skipped 40 in a row, the skip
+budget). A bad batch's outlier does not heal when taken; the model's own does: its next gradient
+is smaller (``TRIAL_FALL``). A trial that does not heal makes the skips before the next four
+times as many: a burst of 40 corrupt batches meets two trials, each a step of ordinary size."""
+
+TRIAL_FALL = 0.8
+"""See ``TRIAL_AFTER``: a trial healed when the next outlier is at most this fraction of it (or
+there is none) and the loss's excess over its level at most half of the trial's: the model's own
+spike heals in both (its loss comes back), a batch's noise moves one of them by chance (outliers
+of a phase or a burst vary 5x from batch to batch, their loss stays up). ``TRIAL_OWN`` heals in
+a row make the run of outliers the run's own."""
+
+TRIAL_OWN = 3
+"""See ``TRIAL_FALL``: from then on the run's outliers are trained on, bounded, not skipped."""
+
+_TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "
+               "typical norm, to see whether it heals (a bad batch's does not)")
+_OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient smaller): trained on, bounded"
+
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
 
 
@@ -362,6 +384,10 @@ class Policy:
         self.rewinds: deque[int] = deque()
         self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
         self.climb = math.nan  # in a run that climbed into the outliers: the ratio it has reached (CLIMB_GROWTH)
+        self.skips_in_row = 0  # outliers of the run skipped since the last one taken (TRIAL_AFTER)
+        self.trial = (math.nan, math.nan)  # the gradient and loss ratios of the trial just taken (NaN: none)
+        self.heals = 0  # trials in a row whose next outlier was smaller; TRIAL_OWN: the run's own
+        self.failed_trials = 0  # trials of this run that did not heal (each doubles the skips before the next)
         self.run_start: int | None = None  # tick of the run's first outlier
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
         # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
@@ -498,7 +524,25 @@ class Policy:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
             return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, _CLIMB_NOTE)
+        bounded = self.cfg.outlier_clip_ratio / ratio if ratio == ratio and ratio > self.cfg.outlier_clip_ratio else None
+        if self.heals >= TRIAL_OWN:
+            return Action.CLIP if bounded else Action.NONE, bounded, _OWN_NOTE
+        typical = 1.0 / ratio if ratio == ratio and ratio > 1.0 else None  # a trial's step: of ordinary size
+        if self.trial[0] == self.trial[0]:  # the step after a trial
+            g0, l0 = self.trial
+            loss = a.values.get("loss_ratio", math.nan)
+            if ratio <= TRIAL_FALL * g0 and loss - 1.0 <= 0.5 * (l0 - 1.0):  # (False on a NaN loss)
+                self.heals += 1
+                self.trial = (ratio, loss)
+                if self.heals >= TRIAL_OWN:
+                    return Action.CLIP if bounded else Action.NONE, bounded, _OWN_NOTE
+                return Action.CLIP if typical else Action.NONE, typical, _TRIAL_NOTE
+            self.trial, self.heals, self.failed_trials = (math.nan, math.nan), 0, self.failed_trials + 1
+        elif self.skips_in_row >= TRIAL_AFTER << 2 * self.failed_trials and self.outliers <= self.cfg.outlier_skips:
+            self.trial, self.skips_in_row = (ratio, a.values.get("loss_ratio", math.nan)), 0
+            return Action.CLIP if typical else Action.NONE, typical, _TRIAL_NOTE
         if self.outliers <= self.cfg.outlier_skips:
+            self.skips_in_row += 1
             return action, None, ""
         # Past the budget: a new regime (or a burst longer than the budget) trains on, clipped; a
         # burst is told from a regime when it ends (see BURST_END_LOSS)
@@ -612,6 +656,7 @@ class Policy:
         """No run of outliers in progress any more: every field of one back as ``__init__`` sets it."""
         self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
         self.run_level = (0.0, 0, 0.0)
+        self.skips_in_row, self.trial, self.heals, self.failed_trials = 0, (math.nan, math.nan), 0, 0
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
@@ -665,7 +710,9 @@ class Policy:
                 "rewinds": list(self.rewinds), "outliers": self.outliers,
                 "climb": None if self.climb != self.climb else self.climb,
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
-                "run_level": list(self.run_level),
+                "run_level": list(self.run_level), "skips_in_row": self.skips_in_row,
+                "trial": None if self.trial[0] != self.trial[0] else list(self.trial), "heals": self.heals,
+                "failed_trials": self.failed_trials,
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict()}
 
@@ -684,6 +731,11 @@ class Policy:
         self.trained_on = None if d.get("trained_on") is None else int(d["trained_on"])
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
+        self.skips_in_row = int(d.get("skips_in_row", 0))
+        trial = d.get("trial")
+        self.trial = (math.nan, math.nan) if trial is None else (float(trial[0]), float(trial[1]))
+        self.heals = int(d.get("heals", 0))
+        self.failed_trials = int(d.get("failed_trials", 0))
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
         self.probe = None if probe is None else (int(probe[0]), int(probe[1]), float(probe[2]))

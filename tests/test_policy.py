@@ -214,17 +214,23 @@ def test_an_outlier_is_skipped_and_a_long_run_of_them_clipped():
     p = Policy(PolicyConfig(outlier_skips=3))
     out = lambda s, ratio=30.0: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=5.0, steps=1)]
     ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 16)]
-    # three skips, then the rest are scaled to 3x their typical norm (a new regime keeps training)
-    assert [d.actions for d in ds[:3]] == [(Action.SKIP,)] * 3
+    # two skips, a bounded trial (the same outlier came back: does taking it heal it?), and past the
+    # budget of three the rest are scaled to 3x their typical norm (a new regime keeps training)
+    assert [d.actions for d in ds[:2]] == [(Action.SKIP,)] * 2
+    assert ds[2].actions == (Action.CLIP,) and "to see whether it heals" in ds[2].clip_note
+    assert ds[2].clip_factor == pytest.approx(1.0 / 30.0)  # a trial is a step of ordinary size
     assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 30.0) for d in ds[3:])
     assert p.nonfinite_streak == 0  # outliers are no non-finite streak: nothing to rewind
     assert p.abnormal is None  # a clipped outlier is no abnormal update
     # the count starts over after an ordinary step
     p.decide(16, [], Evidence(1.0, 1.0))
     assert p.decide(17, out(17), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
-    # a burst of 40 corrupt batches is skipped from end to end by default
+    # a burst of 40 corrupt batches is skipped by default but for two trials, the second after four
+    # times the skips of the first (neither heals: a corrupt batch's outlier does not)
     p = Policy()
-    assert all(p.decide(s, out(s), Evidence(30.0, 5.0)).actions == (Action.SKIP,) for s in range(100, 140))
+    acts = [p.decide(s, out(s), Evidence(30.0, 5.0)).actions for s in range(100, 140)]
+    assert [i for i, a in enumerate(acts, 1) if a != (Action.SKIP,)] == [3, 12]
+    assert acts[2] == acts[11] == (Action.CLIP,)
 
 
 def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm():
@@ -244,7 +250,8 @@ def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm(
         else:
             d = p.decide(s, out(s), Evidence(30.0, 5.0))
         got.append(d.actions)
-    assert got == [(Action.SKIP,), (), (Action.SKIP,), (), (Action.SKIP,), (), (Action.SKIP,), (),
+    # (the third outlier, the same after two skips, is a bounded trial; past the budget of 4, clipped)
+    assert got == [(Action.SKIP,), (), (Action.SKIP,), (), (Action.CLIP,), (), (Action.SKIP,), (),
                    (Action.CLIP,), (), (Action.CLIP,), ()]
     # back near its typical norm: the run is over, the next outlier is a new one and is skipped
     assert not p.decide(22, [], Evidence(1.5, 1.0)).actions and not p.watching
@@ -466,7 +473,7 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
     def run(p, length=10, ratio=40.0):
         for s in range(100, 100 + length):
             d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
-            assert d.actions == ((Action.SKIP,) if s < 103 else (Action.CLIP,))
+            assert d.actions == ((Action.SKIP,) if s < 102 else (Action.CLIP,))  # (102: a bounded trial)
         return 100 + length
 
     p = Policy(PolicyConfig(outlier_skips=3))

@@ -493,7 +493,11 @@ def test_a_loss_weight_ramped_up_trains_as_without_earlywarn_and_a_burst_is_stil
     burst = lambda it: 100.0 if 150 <= it < 162 else 1.0
     _, ew = _ramped_loop(True, tmp_path, lambda it: 1.0, burst)
     skipped = [e.step for e in ew.events if e.kind is Kind.SKIP]
-    assert skipped == list(range(150, 162)) and ew.counters["rewinds"] == 0
+    trials = [e.step for e in ew.events if e.kind is Kind.CLIP and "to see whether it heals" in e.message]
+    # skipped step for step but for two trials at the typical norm (the 3rd and the 12th: a corrupt
+    # batch's outlier does not heal when taken, so the skips go on)
+    assert trials == [152, 161] and skipped == [s for s in range(150, 162) if s not in trials]
+    assert ew.counters["rewinds"] == 0
     ew.close()
 
 
@@ -517,6 +521,8 @@ def test_a_burst_longer_than_the_skip_budget_is_rewound_when_it_ends_and_a_loss_
     # run, but the loss is at its level when the phase ends -- trained through, never rewound
     phase = lambda it: 50.0 if 150 <= it < 220 else 1.0
     _, ew = _ramped_loop(True, tmp_path, phase, steps=400)
-    assert ew.counters["rewinds"] == 0 and ew.counters["skipped_steps"] == 40
+    trials = [e for e in ew.events if e.kind is Kind.CLIP and "to see whether it heals" in e.message]
+    # (a few trials at the typical norm, none of which heals twice in a row: the phase's batches vary 5x)
+    assert ew.counters["rewinds"] == 0 and 2 <= len(trials) <= 4 and ew.counters["skipped_steps"] == 40 - len(trials)
     assert not [e for e in ew.events if e.level is Level.CRITICAL]
     ew.close()
