@@ -63,7 +63,11 @@ class PolicyConfig:
     on_collapse_risk: Action | str = Action.CHECKPOINT
     """COLLAPSE_RISK (warning): save a checkpoint while the weights are still clean, so a later
     rewind loses little. Subject to ``checkpoint_cooldown``, ``checkpoint_rearm`` and the rate
-    limit."""
+    limit. A warning (this or LOSS_DIVERGED) that comes while the learning rate creeps up -- risen
+    step after step, past the rate the run had trained at for 50 steps or more (a schedule bug
+    multiplying it a little every step, a ramp without end; :mod:`earlywarn.lrtrend`) -- also
+    holds the learning rate at the rate it rose from, flat, while the loop's stays above it: not
+    the highest it reached calmly, which by then is already many times too high."""
 
     on_loss_nonfinite: Action | str = Action.REWIND
     """LOSS_NONFINITE (critical): the weights are suspect; rewind to the last clean checkpoint.
@@ -102,8 +106,12 @@ class PolicyConfig:
     over several elevated steps (a loss weight ramped up) is applied with its growth bounded
     (``CLIMB_GROWTH``). The cost: a loop that changes its loss's scale 20x or more in one step on
     purpose (a new reduction, a loss weight) has its first 40 steps after it skipped -- a burst of
-    bad batches looks the same while it lasts. Such a loop can pass 0 here: outliers are then
-    clipped from the first, never skipped."""
+    bad batches looks the same while it lasts -- but for the trials below. Such a loop can pass 0
+    here: outliers are then clipped from the first, never skipped. After two skips in a row the
+    next outlier is taken at its typical norm as a trial (``TRIAL_AFTER``): a skip leaves the
+    model as it was, so a spike of the model's own comes back at every batch until a step is
+    taken; where the trial heals it (the next gradient and loss both fall) the run of outliers is
+    the run's own and trains on, bounded."""
 
     outlier_clip_ratio: float = 3.0
     """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
