@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from earlywarn._renamed import renamed
 from earlywarn.events import Event, Kind, Level
+from earlywarn.lrtrend import LrTrend
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
 
@@ -62,7 +63,11 @@ class PolicyConfig:
     on_collapse_risk: Action | str = Action.CHECKPOINT
     """COLLAPSE_RISK (warning): save a checkpoint while the weights are still clean, so a later
     rewind loses little. Subject to ``checkpoint_cooldown``, ``checkpoint_rearm`` and the rate
-    limit."""
+    limit. A warning (this or LOSS_DIVERGED) that comes while the learning rate creeps up -- risen
+    step after step, past the rate the run had trained at for 50 steps or more (a schedule bug
+    multiplying it a little every step, a ramp without end; :mod:`earlywarn.lrtrend`) -- also
+    holds the learning rate at the rate it rose from, flat, while the loop's stays above it: not
+    the highest it reached calmly, which by then is already many times too high."""
 
     on_loss_nonfinite: Action | str = Action.REWIND
     """LOSS_NONFINITE (critical): the weights are suspect; rewind to the last clean checkpoint.
@@ -101,8 +106,12 @@ class PolicyConfig:
     over several elevated steps (a loss weight ramped up) is applied with its growth bounded
     (``CLIMB_GROWTH``). The cost: a loop that changes its loss's scale 20x or more in one step on
     purpose (a new reduction, a loss weight) has its first 40 steps after it skipped -- a burst of
-    bad batches looks the same while it lasts. Such a loop can pass 0 here: outliers are then
-    clipped from the first, never skipped."""
+    bad batches looks the same while it lasts -- but for the trials below. Such a loop can pass 0
+    here: outliers are then clipped from the first, never skipped. After two skips in a row the
+    next outlier is taken at its typical norm as a trial (``TRIAL_AFTER``): a skip leaves the
+    model as it was, so a spike of the model's own comes back at every batch until a step is
+    taken; where the trial heals it (the next gradient and loss both fall) the run of outliers is
+    the run's own and trains on, bounded."""
 
     outlier_clip_ratio: float = 3.0
     """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
@@ -281,6 +290,9 @@ class PolicyDecision:
     """Why the step is clipped and not skipped, when it is not one more in a long run of outliers."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
+    lr_hold: float | None = None
+    """From this step on, step at no more than this learning rate while the loop's is above it: the
+    rate the run trained at before its learning rate crept up into this trouble (flat, no warming)."""
 
     def __contains__(self, action: object) -> bool:
         return action in self.actions
@@ -337,6 +349,28 @@ baselines move to a level held 100 steps: after that the ratios are no longer th
 
 _CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
+TRIAL_AFTER = 2
+"""Outliers skipped in a row after which the next is taken, scaled to the typical norm, as a trial. A skip leaves the model as it was: an outlier that the model's own
+state produces (a spike of the run's own, a warm-up overshoot) comes back at the next batch, and
+skipping it again and again refuses the very step that heals it (skipped 40 in a row, the skip
+budget). A bad batch's outlier does not heal when taken; the model's own does: its next gradient
+is smaller (``TRIAL_FALL``). A trial that does not heal makes the skips before the next four
+times as many: a burst of 40 corrupt batches meets two trials, each a step of ordinary size."""
+
+TRIAL_FALL = 0.8
+"""See ``TRIAL_AFTER``: a trial healed when the next outlier is at most this fraction of it (or
+there is none) and the loss's excess over its level at most half of the trial's: the model's own
+spike heals in both (its loss comes back), a batch's noise moves one of them by chance (outliers
+of a phase or a burst vary 5x from batch to batch, their loss stays up). ``TRIAL_OWN`` heals in
+a row make the run of outliers the run's own."""
+
+TRIAL_OWN = 3
+"""See ``TRIAL_FALL``: from then on the run's outliers are trained on, bounded, not skipped."""
+
+_TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "
+               "typical norm, to see whether it heals (a bad batch's does not)")
+_OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient smaller): trained on, bounded"
+
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
 
 
@@ -358,6 +392,10 @@ class Policy:
         self.rewinds: deque[int] = deque()
         self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
         self.climb = math.nan  # in a run that climbed into the outliers: the ratio it has reached (CLIMB_GROWTH)
+        self.skips_in_row = 0  # outliers of the run skipped since the last one taken (TRIAL_AFTER)
+        self.trial = (math.nan, math.nan)  # the gradient and loss ratios of the trial just taken (NaN: none)
+        self.heals = 0  # trials in a row whose next outlier was smaller; TRIAL_OWN: the run's own
+        self.failed_trials = 0  # trials of this run that did not heal (each doubles the skips before the next)
         self.run_start: int | None = None  # tick of the run's first outlier
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
         # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
@@ -367,6 +405,7 @@ class Policy:
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
         self.probe: tuple[int, int, float] | None = None
         self.lrs: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_lookback + 16)  # (tick, LR taken)
+        self.lr_trend = LrTrend()  # a learning rate creeping up past the rates the run trained at
 
     def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
                state_finite: bool | None = None, skipped: bool = False, repairable: bool = False) -> PolicyDecision:
@@ -391,6 +430,7 @@ class Policy:
         back, ceiling, lr_copy, hold_target, clip, clip_note = 0, None, False, False, None, ""
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
+            self.lr_trend.push(evidence.lr)
         nonfinite_now = warned_now = False
         for a in alerts:
             field = _KIND_FIELD.get(a.kind)
@@ -426,6 +466,12 @@ class Policy:
                                                  "a learning-rate jump")
                 back = max(back, probe_back)
 
+        hold = None
+        if self.lr_trend.creeping and any(a.kind in (Kind.COLLAPSE_RISK, Kind.LOSS_DIVERGED) for a in alerts):
+            # the learning rate crept up into this: back to the rate it rose from, not the highest it took calmly
+            hold, ceiling = self.lr_trend.calm_lr, None
+            reasons.append(f"learning rate held at {hold:.3g}: it rose {self.lr_trend.rising} steps in a row to "
+                           f"{self.lr_trend.prev / hold:.3g}x the rate the run trained at before, into this warning")
         if self.trained_on is not None and Action.REWIND not in wanted:
             burst_back, why = self._burst_end(alerts, evidence, t)
             if burst_back:
@@ -453,7 +499,8 @@ class Policy:
             halt_reason=wanted.get(Action.HALT), nonfinite_streak=streak,
             onset_back=back if Action.REWIND in wanted else 0,
             lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
-            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None,
+            hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
+            lr_hold=hold,
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
             clip_note=clip_note if clip is not None and Action.CLIP in wanted and not restores else "")
 
@@ -485,7 +532,25 @@ class Policy:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
             return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, _CLIMB_NOTE)
+        bounded = self.cfg.outlier_clip_ratio / ratio if ratio == ratio and ratio > self.cfg.outlier_clip_ratio else None
+        if self.heals >= TRIAL_OWN:
+            return Action.CLIP if bounded else Action.NONE, bounded, _OWN_NOTE
+        typical = 1.0 / ratio if ratio == ratio and ratio > 1.0 else None  # a trial's step: of ordinary size
+        if self.trial[0] == self.trial[0]:  # the step after a trial
+            g0, l0 = self.trial
+            loss = a.values.get("loss_ratio", math.nan)
+            if ratio <= TRIAL_FALL * g0 and loss - 1.0 <= 0.5 * (l0 - 1.0):  # (False on a NaN loss)
+                self.heals += 1
+                self.trial = (ratio, loss)
+                if self.heals >= TRIAL_OWN:
+                    return Action.CLIP if bounded else Action.NONE, bounded, _OWN_NOTE
+                return Action.CLIP if typical else Action.NONE, typical, _TRIAL_NOTE
+            self.trial, self.heals, self.failed_trials = (math.nan, math.nan), 0, self.failed_trials + 1
+        elif self.skips_in_row >= TRIAL_AFTER << 2 * self.failed_trials and self.outliers <= self.cfg.outlier_skips:
+            self.trial, self.skips_in_row = (ratio, a.values.get("loss_ratio", math.nan)), 0
+            return Action.CLIP if typical else Action.NONE, typical, _TRIAL_NOTE
         if self.outliers <= self.cfg.outlier_skips:
+            self.skips_in_row += 1
             return action, None, ""
         # Past the budget: a new regime (or a burst longer than the budget) trains on, clipped; a
         # burst is told from a regime when it ends (see BURST_END_LOSS)
@@ -570,6 +635,7 @@ class Policy:
         self.tick += 1
         if lr == lr:
             self.lrs.append((self.tick, lr))
+            self.lr_trend.push(lr)
         return _NOTHING  # (no run of outliers to end: that is watched)
 
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
@@ -598,6 +664,7 @@ class Policy:
         """No run of outliers in progress any more: every field of one back as ``__init__`` sets it."""
         self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
         self.run_level = (0.0, 0, 0.0)
+        self.skips_in_row, self.trial, self.heals, self.failed_trials = 0, (math.nan, math.nan), 0, 0
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
@@ -651,9 +718,11 @@ class Policy:
                 "rewinds": list(self.rewinds), "outliers": self.outliers,
                 "climb": None if self.climb != self.climb else self.climb,
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
-                "run_level": list(self.run_level),
+                "run_level": list(self.run_level), "skips_in_row": self.skips_in_row,
+                "trial": None if self.trial[0] != self.trial[0] else list(self.trial), "heals": self.heals,
+                "failed_trials": self.failed_trials,
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
-                "lrs": [list(x) for x in self.lrs]}
+                "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict()}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.tick = int(d["tick"])
@@ -670,8 +739,14 @@ class Policy:
         self.trained_on = None if d.get("trained_on") is None else int(d["trained_on"])
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
+        self.skips_in_row = int(d.get("skips_in_row", 0))
+        trial = d.get("trial")
+        self.trial = (math.nan, math.nan) if trial is None else (float(trial[0]), float(trial[1]))
+        self.heals = int(d.get("heals", 0))
+        self.failed_trials = int(d.get("failed_trials", 0))
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
         self.probe = None if probe is None else (int(probe[0]), int(probe[1]), float(probe[2]))
         self.lrs.clear()
         self.lrs.extend((int(k), float(lr)) for k, lr in d.get("lrs", []))
+        self.lr_trend.load_state_dict(d.get("lr_trend", {}))

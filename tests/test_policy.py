@@ -214,17 +214,23 @@ def test_an_outlier_is_skipped_and_a_long_run_of_them_clipped():
     p = Policy(PolicyConfig(outlier_skips=3))
     out = lambda s, ratio=30.0: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=5.0, steps=1)]
     ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 16)]
-    # three skips, then the rest are scaled to 3x their typical norm (a new regime keeps training)
-    assert [d.actions for d in ds[:3]] == [(Action.SKIP,)] * 3
+    # two skips, a bounded trial (the same outlier came back: does taking it heal it?), and past the
+    # budget of three the rest are scaled to 3x their typical norm (a new regime keeps training)
+    assert [d.actions for d in ds[:2]] == [(Action.SKIP,)] * 2
+    assert ds[2].actions == (Action.CLIP,) and "to see whether it heals" in ds[2].clip_note
+    assert ds[2].clip_factor == pytest.approx(1.0 / 30.0)  # a trial is a step of ordinary size
     assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 30.0) for d in ds[3:])
     assert p.nonfinite_streak == 0  # outliers are no non-finite streak: nothing to rewind
     assert p.abnormal is None  # a clipped outlier is no abnormal update
     # the count starts over after an ordinary step
     p.decide(16, [], Evidence(1.0, 1.0))
     assert p.decide(17, out(17), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
-    # a burst of 40 corrupt batches is skipped from end to end by default
+    # a burst of 40 corrupt batches is skipped by default but for two trials, the second after four
+    # times the skips of the first (neither heals: a corrupt batch's outlier does not)
     p = Policy()
-    assert all(p.decide(s, out(s), Evidence(30.0, 5.0)).actions == (Action.SKIP,) for s in range(100, 140))
+    acts = [p.decide(s, out(s), Evidence(30.0, 5.0)).actions for s in range(100, 140)]
+    assert [i for i, a in enumerate(acts, 1) if a != (Action.SKIP,)] == [3, 12]
+    assert acts[2] == acts[11] == (Action.CLIP,)
 
 
 def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm():
@@ -244,7 +250,8 @@ def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm(
         else:
             d = p.decide(s, out(s), Evidence(30.0, 5.0))
         got.append(d.actions)
-    assert got == [(Action.SKIP,), (), (Action.SKIP,), (), (Action.SKIP,), (), (Action.SKIP,), (),
+    # (the third outlier, the same after two skips, is a bounded trial; past the budget of 4, clipped)
+    assert got == [(Action.SKIP,), (), (Action.SKIP,), (), (Action.CLIP,), (), (Action.SKIP,), (),
                    (Action.CLIP,), (), (Action.CLIP,), ()]
     # back near its typical norm: the run is over, the next outlier is a new one and is skipped
     assert not p.decide(22, [], Evidence(1.5, 1.0)).actions and not p.watching
@@ -466,7 +473,7 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
     def run(p, length=10, ratio=40.0):
         for s in range(100, 100 + length):
             d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
-            assert d.actions == ((Action.SKIP,) if s < 103 else (Action.CLIP,))
+            assert d.actions == ((Action.SKIP,) if s < 102 else (Action.CLIP,))  # (102: a bounded trial)
         return 100 + length
 
     p = Policy(PolicyConfig(outlier_skips=3))
@@ -534,3 +541,85 @@ def test_a_learning_rate_the_run_took_calmly_for_steps_did_not_lead_into_a_loss_
     # a warm-up that ends a few steps before the rise: the LR led into it
     d = loop(lambda s: 1e-3 * min(1.0, (s + 1) / 40), 45)
     assert d.actions == (Action.REWIND,)
+
+
+# -- trouble the run makes itself (issue 48) ---------------------------------------------------------
+
+def test_an_outlier_the_model_keeps_producing_is_taken_as_a_trial_and_trained_on_once_it_heals():
+    """A skip leaves the model as it was, so a spike of the model's own comes back at the next batch.
+    After two skips the next is taken at its typical norm; its gradient and loss falling after each
+    step taken makes the run of outliers the run's own: trained on, bounded, never skipped again."""
+    from earlywarn.policy import TRIAL_OWN, Evidence
+
+    p = Policy()
+    out = lambda s, r, l: ([ev(s, Kind.GRAD_OUTLIER, ratio=r, loss_ratio=l, steps=1)], Evidence(r, l))
+    seq = [(60.0, 4.0), (60.0, 4.0), (60.0, 4.0), (40.0, 2.2), (30.0, 1.5), (24.0, 1.2), (26.0, 1.3), (25.0, 1.25)]
+    ds = [p.decide(s, *out(s, r, l)) for s, (r, l) in enumerate(seq, 100)]
+    assert [d.actions for d in ds[:2]] == [(Action.SKIP,)] * 2
+    # the trial and the heals before TRIAL_OWN: steps of ordinary size
+    assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / r)
+               for d, (r, _) in zip(ds[2:2 + TRIAL_OWN], seq[2:]))
+    # the run's own from then on: bounded to outlier_clip_ratio x typical, even where it does not fall
+    own = ds[2 + TRIAL_OWN:]
+    assert own and all(d.actions == (Action.CLIP,) and "the run's own spike" in d.clip_note for d in own)
+    assert all(d.clip_factor == pytest.approx(3.0 / r) for d, (r, _) in zip(own, seq[2 + TRIAL_OWN:]))
+    # back near its typical norm: over, and state carried across a resume
+    assert not p.decide(108, [], Evidence(1.2, 1.0)).actions and not p.watching
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.state_dict() == p.state_dict()
+
+
+def test_a_trial_whose_loss_stays_up_does_not_heal_and_the_skips_go_on():
+    """A bad batch's outlier does not heal when taken: the next (corrupt) batch is as bad, or its
+    gradient smaller by chance while its loss stays up. The skips go on, four times as many before
+    the next trial."""
+    from earlywarn.policy import Evidence
+
+    p = Policy()
+    seq = [(60.0, 40.0), (55.0, 38.0), (70.0, 45.0), (40.0, 42.0)] + [(50.0, 40.0)] * 9
+    acts = [p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=r, loss_ratio=l, steps=1)], Evidence(r, l)).actions
+            for s, (r, l) in enumerate(seq, 100)]
+    # the trial (3rd), its gradient 40/70 lower but the loss not: no heal; eight skips; the next trial
+    assert acts == [(Action.SKIP,)] * 2 + [(Action.CLIP,)] + [(Action.SKIP,)] * 8 + [(Action.CLIP,), (Action.SKIP,)]
+
+
+def _lrs(p: Policy, lrs, alerts_at=None, start=0):
+    from earlywarn.policy import Evidence
+    out = {}
+    for s, lr in enumerate(lrs, start):
+        alerts = [ev(s, Kind.COLLAPSE_RISK)] if alerts_at and s in alerts_at else []
+        d = p.decide(s, alerts, Evidence(1.0, 1.0, lr)) if alerts else p.calm(lr)
+        out[s] = d
+    return out
+
+
+def test_a_learning_rate_creeping_up_is_held_at_the_rate_it_rose_from_when_a_warning_comes():
+    """A schedule bug multiplying the LR by 1.02 a step from step 100: the warning at step 150 (the
+    LR 2.7x) holds it at the rate the run trained at before the rise, not the highest it took."""
+    base = [1e-3 * (1.0 - 0.002 * s) for s in range(100)]  # a slow decay, then the creep
+    creep = [base[-1] * 1.02 ** k for k in range(1, 60)]
+    p = Policy()
+    ds = _lrs(p, base + creep, alerts_at={150})
+    held = ds[150]
+    assert held.lr_hold == pytest.approx(base[-1]) and Action.REWIND not in held.actions
+    assert any("learning rate held at" in r and "rose 51 steps in a row" in r for r in held.reasons)
+    assert all(d.lr_hold is None for s, d in ds.items() if s != 150)
+    # the trend is part of the policy's state
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.lr_trend.state_dict() == p.lr_trend.state_dict()
+
+
+def test_a_warm_up_a_one_cycle_ramp_and_a_restart_are_no_creep():
+    """Rises from the run's first steps, or in one jump, are the schedule's: a warning on them
+    holds nothing."""
+    warm = [1e-3 * min(1.0, (s + 1) / 80) for s in range(120)]  # linear warm-up over 80 steps
+    assert all(d.lr_hold is None for d in _lrs(Policy(), warm, alerts_at={60, 79}).values())
+    onecycle = [4e-5 + (1e-3 - 4e-5) * min(1.0, s / 90) for s in range(120)]
+    assert all(d.lr_hold is None for d in _lrs(Policy(), onecycle, alerts_at={70}).values())
+    restart = [1e-3 * (1.0 - (s % 60) / 60) + 1e-5 for s in range(180)]  # cosine-like restarts: one jump up
+    assert all(d.lr_hold is None for d in _lrs(Policy(), restart, alerts_at={61, 121, 125}).values())
+    # a rise after a calm stretch, too small (under 1.2x the rate it rose from): nothing
+    small = [1e-3] * 100 + [1e-3 * 1.001 ** k for k in range(1, 60)]
+    assert all(d.lr_hold is None for d in _lrs(Policy(), small, alerts_at={150}).values())

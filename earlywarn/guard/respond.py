@@ -52,6 +52,8 @@ class Responses:
                            f"rewinds so far: {self.recovery.describe_rewinds()}. {why}. "
                            "The instability keeps coming back: lower the learning rate or inspect the quarantined "
                            f"batches in {self.recovery.quarantine_path}, then resume from the last clean checkpoint.")
+        if decision.policy.lr_hold is not None and not decision.restores:
+            self.hold_lr(decision, tag, decision.policy.lr_hold, jump=False)
         if decision.policy.lr_copy:
             # an LR jump: the state before its update is what a rewind goes back to if the run
             # does not take it (the policy watches the next steps); clean when nothing came before
@@ -179,20 +181,33 @@ class Responses:
         except Halt as exc:
             self.halt(tag, str(exc), cause=exc)
         self.telemetry.count("rewinds")
-        ceiling = jump = decision.policy.lr_ceiling
-        if decision.policy.hold_lr_at_target:
-            ceiling = self.recovery.lr_at(report.restored_step)
-        if ceiling is not None:
-            # after a jump the ceiling warms back up (a schedule's own jump trains on at its rate); after a rise it stays
-            self.recovery.hold_lr(ceiling, rewarm=jump is not None)
-            how = (f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump is not None else "")
-            how += " while the loop's learning rate stays above it"
-            self.telemetry.emit(Event(
-                step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="lr_ceiling",
-                message=(f"the learning rate led the run into this ({'a jump' if jump is not None else 'a rise'}): "
-                         f"earlywarn steps at no more than {ceiling:.3g} (the highest it had run at calmly){how}"),
-                values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
+        ceiling = decision.policy.lr_ceiling
+        if decision.policy.lr_hold is not None:
+            self.hold_lr(decision, tag, decision.policy.lr_hold, jump=False)
+        elif ceiling is not None:
+            self.hold_lr(decision, tag, ceiling, jump=True)
+        elif decision.policy.hold_lr_at_target:
+            self.hold_lr(decision, tag, self.recovery.lr_at(report.restored_step), jump=False)
         return report
+
+    def hold_lr(self, decision: Decision, tag: StepTag, ceiling: float | None, *, jump: bool) -> None:
+        """The learning rate led the run into trouble: step at no more than ``ceiling`` while the
+        loop's stays above it. After a jump the ceiling warms back up (a schedule's own jump trains on
+        at its rate); after a rise or a creep it stays flat."""
+        if ceiling is None:
+            return
+        self.recovery.hold_lr(ceiling, rewarm=jump)
+        how = f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump else ""
+        how += " while the loop's learning rate stays above it"
+        if decision.policy.lr_hold is not None:
+            what, rate = "it crept up, step after step", "the rate the run trained at before it began to rise"
+        else:
+            what, rate = ("a jump" if jump else "a rise"), "the highest it had run at calmly"
+        self.telemetry.emit(Event(
+            step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="lr_ceiling",
+            message=(f"the learning rate led the run into this ({what}): "
+                     f"earlywarn steps at no more than {ceiling:.3g} ({rate}){how}"),
+            values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
 
     def _blame(self, decision: Decision, tag: StepTag, first: int) -> Any:
         """Who is responsible: when the symptom is a non-finite loss or poisoned parameters,
