@@ -349,13 +349,13 @@ baselines move to a level held 100 steps: after that the ratios are no longer th
 
 _CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
-TRIAL_AFTER = 2
+TRIAL_AFTER = 1
 """Outliers skipped in a row after which the next is taken, scaled to the typical norm, as a trial. A skip leaves the model as it was: an outlier that the model's own
 state produces (a spike of the run's own, a warm-up overshoot) comes back at the next batch, and
 skipping it again and again refuses the very step that heals it (skipped 40 in a row, the skip
 budget). A bad batch's outlier does not heal when taken; the model's own does: its next gradient
 is smaller (``TRIAL_FALL``). A trial that does not heal makes the skips before the next four
-times as many: a burst of 40 corrupt batches meets two trials, each a step of ordinary size."""
+times as many: a burst of 40 corrupt batches meets three trials, each a step of ordinary size."""
 
 TRIAL_FALL = 0.8
 """See ``TRIAL_AFTER``: a trial healed when the next outlier is at most this fraction of it (or
@@ -366,6 +366,31 @@ a row make the run of outliers the run's own."""
 
 TRIAL_OWN = 3
 """See ``TRIAL_FALL``: from then on the run's outliers are trained on, bounded, not skipped."""
+
+TAIL_LOSS = 2.5
+"""An outlier gradient on a batch whose loss is under this many times its level is not a batch the
+model finds wrong: a heavy-tailed objective (a rare large reward, a rare heavy sample weight) or
+a gradient corrupted after the loss (a bad reduction: rare). Corrupt data raises the loss with the
+gradient (bursts and bad shards of the benchmark: 2.8x to 1e8x). Once one such outlier has been
+seen (``TAIL_SEEN``) the next are the run's own distribution -- those with the loss at its
+level, or at most twice as far above it as the tail's outliers have been (a reward's loss varies
+from batch to batch) -- taken, bounded to ``TAIL_BOUND`` times the largest seen, unless one taken
+was followed by damage (``TAIL_DAMAGE``)."""
+
+TAIL_SEEN = 1
+"""See ``TAIL_LOSS``: such outliers skipped before the next are taken."""
+
+TAIL_BOUND = 4.0
+"""See ``TAIL_LOSS``."""
+
+TAIL_DAMAGE = 3.0
+"""See ``TAIL_LOSS``: a loss this many times its level (or non-finite, or diverged) within
+``TAIL_WATCH`` steps after one was taken: such outliers are skipped again, for the rest of the run."""
+
+TAIL_WATCH = 3
+"""See ``TAIL_DAMAGE``."""
+
+_TAIL_NOTE = "the run's own heavy tail (outliers with the loss at its level seen before, none damaged the run), bounded"
 
 _TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "
                "typical norm, to see whether it heals (a bad batch's does not)")
@@ -395,7 +420,11 @@ class Policy:
         self.skips_in_row = 0  # outliers of the run skipped since the last one taken (TRIAL_AFTER)
         self.trial = (math.nan, math.nan)  # the gradient and loss ratios of the trial just taken (NaN: none)
         self.heals = 0  # trials in a row whose next outlier was smaller; TRIAL_OWN: the run's own
-        self.failed_trials = 0  # trials of this run that did not heal (each doubles the skips before the next)
+        self.failed_trials = 0  # trials of this run that did not heal (each quadruples the skips before the next)
+        # the run's heavy tail (TAIL_LOSS): outliers with the loss at its level seen, the largest, the
+        # tick the latest was taken, and whether one taken was followed by damage (never again)
+        self.tail_seen, self.tail_max, self.tail_taken, self.tail_revoked = 0, 0.0, None, False
+        self.tail_loss = 0.0  # the highest loss ratio among the tail's outliers
         self.run_start: int | None = None  # tick of the run's first outlier
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
         # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
@@ -466,6 +495,13 @@ class Policy:
                                                  "a learning-rate jump")
                 back = max(back, probe_back)
 
+        # (judged on the steps between the tail's outliers: theirs is the tail's own loss)
+        if self.tail_taken is not None and 0 < t - self.tail_taken <= TAIL_WATCH and (
+                nonfinite_now or any(a.kind is Kind.LOSS_DIVERGED for a in alerts)
+                or evidence.loss_ratio >= TAIL_DAMAGE and not any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
+            self.tail_revoked = True  # taking the run's tail damaged it: such outliers are skipped again
+            reasons.append(f"outliers with the loss at its level are skipped again: the loss rose after one taken at "
+                           f"step {self.tail_taken}")
         hold = None
         if self.lr_trend.creeping and any(a.kind in (Kind.COLLAPSE_RISK, Kind.LOSS_DIVERGED) for a in alerts):
             # the learning rate crept up into this: back to the rate it rose from, not the highest it took calmly
@@ -524,6 +560,19 @@ class Policy:
             return Action.NONE, None, ""
         if self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None, ""  # the run recovering from its own large update: let it
+        loss = a.values.get("loss_ratio", math.nan)
+        known = self.tail_seen >= TAIL_SEEN
+        # the loss at its level, or (a tail known) within twice the loss its outliers had (False on NaN)
+        # (the first outlier of a run, or one more of a run whose outliers were all the tail's)
+        if ((loss < TAIL_LOSS or known and loss <= 2.0 * self.tail_loss) and not self.tail_revoked and ratio == ratio
+                and (self.outliers == 1 or self.tail_taken == t - 1)):
+            self.tail_loss = max(self.tail_loss, loss)
+            if known:
+                cap = TAIL_BOUND * self.tail_max
+                self.tail_taken, self.tail_max = t, max(self.tail_max, min(ratio, cap))
+                return (Action.NONE, None, _TAIL_NOTE) if ratio <= cap else (Action.CLIP, cap / ratio, _TAIL_NOTE)
+            self.tail_seen += 1
+            self.tail_max = max(self.tail_max, ratio)
         prev = a.values.get("prev_ratio", 1.0)
         if (self.outliers == 1 and prev >= self.cfg.outlier_clip_ratio
                 and a.values.get("prev_elevated", 0.0) >= CLIMB_STEPS and ratio <= CLIMB_GROWTH * prev):
@@ -626,7 +675,8 @@ class Policy:
         """A step without alerts still needs :meth:`decide`: a learning-rate jump is being watched,
         or a non-finite streak or a run of outliers is to be ended (that needs the step's gradient
         ratio). Otherwise :meth:`calm` answers it."""
-        return self.probe is not None or self.nonfinite_streak != 0 or self.outliers != 0
+        return (self.probe is not None or self.nonfinite_streak != 0 or self.outliers != 0
+                or self.tail_taken is not None and self.tick - self.tail_taken < TAIL_WATCH and not self.tail_revoked)
 
     def calm(self, lr: float = math.nan) -> PolicyDecision:
         """:meth:`decide` of a step with no alerts and nothing skipped while nothing is
@@ -654,7 +704,8 @@ class Policy:
                 self.lrs.clear()
             return
         # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)
-        applied = Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions and self.climb != self.climb
+        applied = (Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions and self.climb != self.climb
+                   and self.tail_taken != t)  # (the run's heavy tail is its own kind of step)
         if applied or self.probe is not None and self.probe[1] == t:
             self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
         if applied:
@@ -720,7 +771,8 @@ class Policy:
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
                 "run_level": list(self.run_level), "skips_in_row": self.skips_in_row,
                 "trial": None if self.trial[0] != self.trial[0] else list(self.trial), "heals": self.heals,
-                "failed_trials": self.failed_trials,
+                "failed_trials": self.failed_trials, "tail": [self.tail_seen, self.tail_max, self.tail_taken,
+                                                              self.tail_revoked, self.tail_loss],
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict()}
 
@@ -744,6 +796,9 @@ class Policy:
         self.trial = (math.nan, math.nan) if trial is None else (float(trial[0]), float(trial[1]))
         self.heals = int(d.get("heals", 0))
         self.failed_trials = int(d.get("failed_trials", 0))
+        seen, top, taken, revoked, tail_loss = d.get("tail", (0, 0.0, None, False, 0.0))
+        self.tail_seen, self.tail_max, self.tail_loss = int(seen), float(top), float(tail_loss)
+        self.tail_taken, self.tail_revoked = (None if taken is None else int(taken)), bool(revoked)
         self.abnormal = None if d.get("abnormal") is None else int(d["abnormal"])
         probe = d.get("probe")
         self.probe = None if probe is None else (int(probe[0]), int(probe[1]), float(probe[2]))

@@ -214,23 +214,23 @@ def test_an_outlier_is_skipped_and_a_long_run_of_them_clipped():
     p = Policy(PolicyConfig(outlier_skips=3))
     out = lambda s, ratio=30.0: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=5.0, steps=1)]
     ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 16)]
-    # two skips, a bounded trial (the same outlier came back: does taking it heal it?), and past the
-    # budget of three the rest are scaled to 3x their typical norm (a new regime keeps training)
-    assert [d.actions for d in ds[:2]] == [(Action.SKIP,)] * 2
-    assert ds[2].actions == (Action.CLIP,) and "to see whether it heals" in ds[2].clip_note
-    assert ds[2].clip_factor == pytest.approx(1.0 / 30.0)  # a trial is a step of ordinary size
+    # a skip, a trial (the same outlier came back: does taking it heal it?), a skip (it did not), and
+    # past the budget of three the rest are scaled to 3x their typical norm (a new regime keeps training)
+    assert ds[0].actions == ds[2].actions == (Action.SKIP,)
+    assert ds[1].actions == (Action.CLIP,) and "to see whether it heals" in ds[1].clip_note
+    assert ds[1].clip_factor == pytest.approx(1.0 / 30.0)  # a trial is a step of ordinary size
     assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 30.0) for d in ds[3:])
     assert p.nonfinite_streak == 0  # outliers are no non-finite streak: nothing to rewind
     assert p.abnormal is None  # a clipped outlier is no abnormal update
     # the count starts over after an ordinary step
     p.decide(16, [], Evidence(1.0, 1.0))
     assert p.decide(17, out(17), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
-    # a burst of 40 corrupt batches is skipped by default but for two trials, the second after four
-    # times the skips of the first (neither heals: a corrupt batch's outlier does not)
+    # a burst of 40 corrupt batches is skipped by default but for three trials, each after four times
+    # the skips before the one before (none heals: a corrupt batch's outlier does not)
     p = Policy()
     acts = [p.decide(s, out(s), Evidence(30.0, 5.0)).actions for s in range(100, 140)]
-    assert [i for i, a in enumerate(acts, 1) if a != (Action.SKIP,)] == [3, 12]
-    assert acts[2] == acts[11] == (Action.CLIP,)
+    assert [i for i, a in enumerate(acts, 1) if a != (Action.SKIP,)] == [2, 7, 24]
+    assert acts[1] == acts[6] == acts[23] == (Action.CLIP,)
 
 
 def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm():
@@ -250,8 +250,8 @@ def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm(
         else:
             d = p.decide(s, out(s), Evidence(30.0, 5.0))
         got.append(d.actions)
-    # (the third outlier, the same after two skips, is a bounded trial; past the budget of 4, clipped)
-    assert got == [(Action.SKIP,), (), (Action.SKIP,), (), (Action.CLIP,), (), (Action.SKIP,), (),
+    # (the second outlier, the same after a skip, is a trial that does not heal; past the budget of 4, clipped)
+    assert got == [(Action.SKIP,), (), (Action.CLIP,), (), (Action.SKIP,), (), (Action.SKIP,), (),
                    (Action.CLIP,), (), (Action.CLIP,), ()]
     # back near its typical norm: the run is over, the next outlier is a new one and is skipped
     assert not p.decide(22, [], Evidence(1.5, 1.0)).actions and not p.watching
@@ -453,7 +453,8 @@ def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bo
     for prev, elevated, ratio in ((1.0, 0, 25.0), (8.0, 1, 25.0), (8.0, 5, 30.0)):
         p = Policy()
         assert p.decide(100, out(100, ratio, prev, elevated), Evidence(ratio, ratio)).actions == (Action.SKIP,)
-        assert p.decide(101, out(101, ratio, ratio, elevated + 1), Evidence(ratio, ratio)).actions == (Action.SKIP,)
+        d = p.decide(101, out(101, ratio, ratio, elevated + 1), Evidence(ratio, ratio))  # the same again: a trial
+        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / ratio)
     # a climb ends where the gradient is back under outlier_clip_ratio typical norms
     p = Policy()
     p.decide(100, out(100, 21.0, 15.0, 6), Evidence(21.0, 21.0))
@@ -473,7 +474,7 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
     def run(p, length=10, ratio=40.0):
         for s in range(100, 100 + length):
             d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
-            assert d.actions == ((Action.SKIP,) if s < 102 else (Action.CLIP,))  # (102: a bounded trial)
+            assert d.actions == ((Action.SKIP,) if s in (100, 102) else (Action.CLIP,))  # (101: a trial)
         return 100 + length
 
     p = Policy(PolicyConfig(outlier_skips=3))
@@ -553,16 +554,16 @@ def test_an_outlier_the_model_keeps_producing_is_taken_as_a_trial_and_trained_on
 
     p = Policy()
     out = lambda s, r, l: ([ev(s, Kind.GRAD_OUTLIER, ratio=r, loss_ratio=l, steps=1)], Evidence(r, l))
-    seq = [(60.0, 4.0), (60.0, 4.0), (60.0, 4.0), (40.0, 2.2), (30.0, 1.5), (24.0, 1.2), (26.0, 1.3), (25.0, 1.25)]
+    seq = [(60.0, 4.0), (60.0, 4.0), (40.0, 2.2), (30.0, 1.5), (24.0, 1.2), (26.0, 1.3), (25.0, 1.25)]
     ds = [p.decide(s, *out(s, r, l)) for s, (r, l) in enumerate(seq, 100)]
-    assert [d.actions for d in ds[:2]] == [(Action.SKIP,)] * 2
+    assert ds[0].actions == (Action.SKIP,)
     # the trial and the heals before TRIAL_OWN: steps of ordinary size
     assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / r)
-               for d, (r, _) in zip(ds[2:2 + TRIAL_OWN], seq[2:]))
+               for d, (r, _) in zip(ds[1:1 + TRIAL_OWN], seq[1:]))
     # the run's own from then on: bounded to outlier_clip_ratio x typical, even where it does not fall
-    own = ds[2 + TRIAL_OWN:]
+    own = ds[1 + TRIAL_OWN:]
     assert own and all(d.actions == (Action.CLIP,) and "the run's own spike" in d.clip_note for d in own)
-    assert all(d.clip_factor == pytest.approx(3.0 / r) for d, (r, _) in zip(own, seq[2 + TRIAL_OWN:]))
+    assert all(d.clip_factor == pytest.approx(3.0 / r) for d, (r, _) in zip(own, seq[1 + TRIAL_OWN:]))
     # back near its typical norm: over, and state carried across a resume
     assert not p.decide(108, [], Evidence(1.2, 1.0)).actions and not p.watching
     q = Policy()
@@ -580,8 +581,9 @@ def test_a_trial_whose_loss_stays_up_does_not_heal_and_the_skips_go_on():
     seq = [(60.0, 40.0), (55.0, 38.0), (70.0, 45.0), (40.0, 42.0)] + [(50.0, 40.0)] * 9
     acts = [p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=r, loss_ratio=l, steps=1)], Evidence(r, l)).actions
             for s, (r, l) in enumerate(seq, 100)]
-    # the trial (3rd), its gradient 40/70 lower but the loss not: no heal; eight skips; the next trial
-    assert acts == [(Action.SKIP,)] * 2 + [(Action.CLIP,)] + [(Action.SKIP,)] * 8 + [(Action.CLIP,), (Action.SKIP,)]
+    # the trial (2nd); the 3rd's gradient lower but its loss not, the 4th's gradient 40/70 lower and
+    # its loss not: no heal; four skips; the next trial
+    assert acts == [(Action.SKIP,), (Action.CLIP,)] + [(Action.SKIP,)] * 4 + [(Action.CLIP,)] + [(Action.SKIP,)] * 6
 
 
 def _lrs(p: Policy, lrs, alerts_at=None, start=0):
@@ -623,3 +625,45 @@ def test_a_warm_up_a_one_cycle_ramp_and_a_restart_are_no_creep():
     # a rise after a calm stretch, too small (under 1.2x the rate it rose from): nothing
     small = [1e-3] * 100 + [1e-3 * 1.001 ** k for k in range(1, 60)]
     assert all(d.lr_hold is None for d in _lrs(Policy(), small, alerts_at={150}).values())
+
+
+def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_once_seen():
+    """A policy gradient's rare rewards: isolated outliers thousands of times the typical norm, the
+    loss near its level. The first is skipped (a gradient corrupted after the loss looks the same,
+    once); from the second on they are taken, bounded to TAIL_BOUND x the largest seen. Corrupt
+    data raises the loss with the gradient: skipped as ever. A tail outlier followed by damage to
+    the loss ends the rule for the run."""
+    from earlywarn.policy import TAIL_BOUND, Evidence
+
+    def step(p, s, ratio=None, loss=1.0):
+        if ratio is None:
+            return p.decide(s, [], Evidence(1.0, loss))
+        return p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=loss, steps=1)], Evidence(ratio, loss))
+
+    p = Policy()
+    assert step(p, 10, 5000.0, 1.4).actions == (Action.SKIP,)  # the first: skipped
+    step(p, 11)
+    d = step(p, 20, 6000.0, 0.8)
+    assert not d.actions and p.tail_taken == p.tick  # the run's own tail: taken as it is
+    step(p, 21), step(p, 22)
+    d = step(p, 30, 4200.0, 2.7)  # its loss further up, but within twice the tail's (1.4): the tail's
+    assert not d.actions
+    step(p, 31)
+    d = step(p, 40, 1e6, 1.0)  # far beyond the tail: bounded
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(TAIL_BOUND * 6000.0 / 1e6)
+    assert "heavy tail" in d.clip_note
+    step(p, 41)
+    assert step(p, 50, 80.0, 40.0).actions == (Action.SKIP,)  # corrupt data: the loss far up with it
+    step(p, 51)
+    assert p.abnormal is None  # the tail's steps are the run's own, no abnormal update
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.state_dict() == p.state_dict()
+    # taken, then the loss far above its level on the next ordinary step: skipped again from then on
+    assert not step(p, 60, 5000.0, 1.0).actions
+    d = step(p, 61, loss=4.0)
+    assert p.tail_revoked and any("skipped again" in r for r in d.reasons)
+    assert step(p, 70, 5000.0, 1.0).actions == (Action.SKIP,)
+    # one huge gradient with the loss at its level (a bad reduction), in a run without a tail: skipped
+    assert Policy().decide(5, [ev(5, Kind.GRAD_OUTLIER, ratio=1e5, loss_ratio=1.0, steps=1)],
+                           Evidence(1e5, 1.0)).actions == (Action.SKIP,)
