@@ -9,222 +9,20 @@ halting) are carried out by the guard and ``earlywarn.recover``.
 
 from __future__ import annotations
 
-import enum
-from collections import deque
-from dataclasses import asdict, dataclass, fields
 import math
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
 
-from earlywarn._renamed import renamed
 from earlywarn.events import Event, Kind, Level
 from earlywarn.lrtrend import LrTrend
+from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
+from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, importable from here too)
+    BURST_END_DROP, BURST_END_LOSS, BURST_END_TRAINED, BURST_END_WITHIN, CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS,
+    IDLE_NOTE, IDLE_STEP_CAP, OWN_NOTE, TAIL_BOUND, TAIL_DAMAGE, TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH,
+    TRIAL_AFTER, TRIAL_FALL, TRIAL_NOTE, TRIAL_OWN)
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
-
-
-class Action(str, enum.Enum):
-    """What the guard should do at this step, least to most drastic."""
-
-    NONE = "none"
-    CHECKPOINT = "checkpoint"
-    CLIP = "clip"
-    SKIP = "skip"
-    REPAIR = "repair"
-    REWIND = "rewind"
-    HALT = "halt"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: "Action | str") -> "Action":
-        if isinstance(value, Action):
-            return value
-        try:
-            return cls(str(value).strip().lower())
-        except ValueError:
-            raise ValueError(f"unknown action {value!r}: use one of "
-                             f"{', '.join(a.value for a in cls)}") from None
-
-
-_SEVERITY = {Action.NONE: 0, Action.CHECKPOINT: 1, Action.CLIP: 2, Action.SKIP: 3, Action.REPAIR: 4, Action.REWIND: 5,
-             Action.HALT: 6}
-
-
-@renamed("max_rewinds", "max_rewinds_per_window")
-@dataclass
-class PolicyConfig:
-    """How alerts become actions. Counts of steps are counts of :meth:`Policy.decide` calls."""
-
-    on_nonfinite_grad: Action | str = Action.SKIP
-    """NONFINITE_GRAD (critical): skip the step. The guard skips non-finite steps regardless;
-    this keeps the decision visible and counts toward ``rewind_after_nonfinite``."""
-
-    on_collapse_risk: Action | str = Action.CHECKPOINT
-    """COLLAPSE_RISK (warning): save a checkpoint while the weights are still clean, so a later
-    rewind loses little. Subject to ``checkpoint_cooldown``, ``checkpoint_rearm`` and the rate
-    limit. A warning (this or LOSS_DIVERGED) that comes while the learning rate creeps up -- risen
-    step after step, past the rate the run had trained at for 50 steps or more (a schedule bug
-    multiplying it a little every step, a ramp without end; :mod:`earlywarn.lrtrend`) -- also
-    holds the learning rate at the rate it rose from, flat, while the loop's stays above it: not
-    the highest it reached calmly, which by then is already many times too high."""
-
-    on_loss_nonfinite: Action | str = Action.REWIND
-    """LOSS_NONFINITE (critical): the weights are suspect; rewind to the last clean checkpoint.
-    The guard checks first: when parameters and optimizer state are finite the bad step was
-    never applied and one batch is at fault -- it skips that step, quarantines the batch and
-    withdraws the rewind (:meth:`Policy.withdraw_rewind`)."""
-
-    on_loss_diverged: Action | str = Action.REWIND
-    """LOSS_DIVERGED (warning): the loss has stayed far above its level. Rewind -- but only when the
-    run is losing what it learned through its own updates: an abnormal update (an outlier gradient
-    taken, an LR jump taken) in the ``divergence_lookback`` steps before the loss began to rise;
-    the rewind then goes back to before that update. A loss that moved to a new level with
-    ordinary updates before it is a change in the data (a new domain, a curriculum stage): the
-    warning stands, nothing is rewound (a rewind would meet the same data again)."""
-
-    on_grad_outlier: Action | str = Action.SKIP
-    """GRAD_OUTLIER (warning): a finite gradient far above its typical norm, read before its update
-    (sync mode): skip that update, parameters and optimizer state untouched, the batch quarantined
-    (Adam's second moment inflated by a 1e4x gradient would stall the run for thousands of steps).
-    Async mode reads it after its update was applied and cannot skip it."""
-
-    outlier_skips: int = 40
-    """Outliers of one run skipped (a burst of corrupt batches: PaLM skipped 200-500); from the next
-    one on they are clipped instead (scaled to ``outlier_clip_ratio`` times their typical norm
-    before the update): a new regime (a harder stage, every gradient large from now on) keeps
-    training while the detector's baseline moves to it; a run that then ends in one step with
-    the loss far above its level before the run was a burst that damaged the model, and is rewound
-    to before it (``BURST_END_LOSS``). A run ends at a gradient back under
-    ``outlier_clip_ratio`` times its typical norm, not at any step under the outlier ratio: in a
-    noisy new regime every few steps fall under it, and counting outliers in a row there skipped
-    nine steps in ten until the baseline moved. Outliers at which layers without a gradient get
-    one -- a part unfrozen, or a part idle for steps that trains only on some (a rarely sampled
-    task's head, an expert) -- are the run's own steps, and outliers right after an update of the
-    run's own that was that large (a part unfrozen: its first update moves the model far) are the
-    run recovering from it, not bad batches: both are applied. A run the gradient climbed into
-    over several elevated steps (a loss weight ramped up) is applied with its growth bounded
-    (``CLIMB_GROWTH``). The cost: a loop that changes its loss's scale 20x or more in one step on
-    purpose (a new reduction, a loss weight) has its first 40 steps after it skipped -- a burst of
-    bad batches looks the same while it lasts -- but for the trials below. Such a loop can pass 0
-    here: outliers are then clipped from the first, never skipped. After two skips in a row the
-    next outlier is taken at its typical norm as a trial (``TRIAL_AFTER``): a skip leaves the
-    model as it was, so a spike of the model's own comes back at every batch until a step is
-    taken; where the trial heals it (the next gradient and loss both fall) the run of outliers is
-    the run's own and trains on, bounded."""
-
-    outlier_clip_ratio: float = 3.0
-    """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
-    scaled to."""
-
-    lr_probe_steps: int = 5
-    """After an LR jump (COLLAPSE_RISK on the learning rate, a clean copy saved before its update),
-    the next this-many steps are watched. A gradient ``lr_probe_grad_ratio`` times its typical
-    norm, a loss ``lr_probe_loss_ratio`` times its level, a warning or a non-finite value there
-    rewinds to that copy and holds the learning rate at the highest the run had survived, warming
-    back up (doubling every 10 calm steps) for as long as the loop's stays above it: an LR pulse
-    ends before the ceiling gets far, a jump the schedule meant (a low-LR phase, then the real
-    one) trains on at its own rate a few dozen steps later, and a rate too high for the run meets
-    the instability again and is held flat where it did. A jump the run takes calmly is kept.
-    0: an LR jump is only checkpointed."""
-
-    lr_probe_grad_ratio: float = 2.5
-    """See ``lr_probe_steps``."""
-
-    lr_probe_loss_ratio: float = 1.5
-    """See ``lr_probe_steps``."""
-
-    divergence_lookback: int = 50
-    """See ``on_loss_diverged``: how far before the loss began to rise an abnormal update counts."""
-
-    lr_rise_ratio: float = 2.0
-    """A LOSS_DIVERGED warning also rewinds when the learning rate rose at least this much over the
-    ``divergence_lookback`` steps before the loss began to rise (a ramp the run could not take):
-    the rewind then holds the learning rate at the restored state's while the loop's stays above
-    it. Together with ``on_recurrence`` a ramp without end trains on at the highest rate it took.
-    Only a rate still rising into the loss's rise counts: see ``lr_rise_settle``."""
-
-    lr_rise_settle: int = 10
-    """See ``lr_rise_ratio``: a learning rate the run had reached this many steps or more before its
-    loss began to rise is one it took calmly, and did not lead into the rise (a warm-up that ended
-    40 steps before a change in the data). The LR counts as reached where it first came within 5%
-    of its highest in the lookback."""
-
-    on_grad_spike: Action | str = Action.NONE
-    """GRAD_SPIKE (info): an isolated spike that already recovered; nothing to do."""
-
-    on_scaler_overflow: Action | str = Action.NONE
-    """SCALER_OVERFLOW (info): the fp16 scaler already skipped the step and lowered its scale."""
-
-    rewind_after_nonfinite: int = 3
-    """Consecutive steps with a non-finite gradient or loss (or a gradient the guard skips as
-    too large) after which skipping is not enough and the policy rewinds (the run, not one
-    batch, is broken). 0 disables."""
-
-    checkpoint_cooldown: int = 200
-    """Minimum steps between two warning checkpoints (a spiky phase must not write one per
-    step)."""
-
-    checkpoint_rearm: int = 50
-    """Hysteresis: after a warning checkpoint, this many steps without any warning must pass
-    before a new warning may checkpoint again, even once the cooldown is over."""
-
-    max_checkpoints: int = 10
-    """At most this many warning checkpoints within ``checkpoint_window`` steps."""
-
-    checkpoint_window: int = 10_000
-    """Window of the checkpoint rate limit, in steps."""
-
-    rewind_cooldown: int = 0
-    """After a rewind, rewind triggers are ignored for this many steps; the guard then says so
-    in an event. 0: none -- a rewind restores the detector too, so a trigger right after it is
-    news, and an instability that comes back is the recovery's to diagnose (a recurrence),
-    which a cooldown would only hide."""
-
-    max_rewinds_per_window: int = 3
-    """More than this many rewinds within ``rewind_window`` steps halts the run instead: it keeps
-    failing the same way and needs a person (lower LR, inspect data). (Rewinds of one episode
-    are ``RecoveryConfig.max_rewinds_per_episode``.)"""
-
-    rewind_window: int = 2_000
-    """Window of the rewind limit, in steps."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if f.name.startswith("on_"):
-                try:
-                    setattr(self, f.name, Action.parse(getattr(self, f.name)))
-                except ValueError as e:
-                    raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name)!r} is invalid: {e}") from None
-                if getattr(self, f.name) in (Action.REPAIR, Action.CLIP):
-                    raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name).value!r} is invalid: the guard "
-                                     "decides repairs (poisoned optimizer state) and clips (a run of outliers) itself; "
-                                     "use none, checkpoint, skip, rewind or halt")
-        for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
-                     "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds_per_window",
-                     "rewind_window", "outlier_skips", "lr_probe_steps", "divergence_lookback", "lr_rise_settle"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use an int >= 0")
-        for name in ("lr_probe_grad_ratio", "lr_probe_loss_ratio", "lr_rise_ratio", "outlier_clip_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 1.0:
-                raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use a ratio > 1 (value / its typical value)")
-        for name in ("checkpoint_window", "rewind_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PolicyConfig.{name}={getattr(self, name)!r} is invalid: use a window of >= 1 step")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: (v.value if isinstance(v, Action) else v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
-        known = {f.name for f in fields(cls)} | {"max_rewinds"}  # the deprecated name still loads
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"PolicyConfig: unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
-
 
 _KIND_FIELD = {
     Kind.NONFINITE_GRAD: "on_nonfinite_grad",
@@ -304,97 +102,6 @@ class PolicyDecision:
 
 
 _NOTHING = PolicyDecision()  # a calm step's decision (immutable: one for all)
-
-IDLE_STEP_CAP = 100.0
-"""An outlier at which a part of the model idle for steps trains again (a rarely sampled task's
-head, an expert) is the run's own kind of step and is applied, scaled down to this many typical
-norms if above: the rare tasks of ``benchmarks/rescue.py`` reach ~70x, and where idle experts come
-back at many steps a 1e4x gradient must not pass whole."""
-
-_IDLE_NOTE = "a part of the model idle for steps trains again (the run's own kind of step), bounded"
-
-CLIMB_STEPS = 3
-"""See ``CLIMB_GROWTH``: the elevated steps in a row before a run of outliers that make it a climb."""
-
-CLIMB_GROWTH = 3.0
-"""A run of outliers whose first came at most this many times the step before's gradient, itself
-``outlier_clip_ratio`` times its typical norm or more and elevated for ``CLIMB_STEPS`` steps in a
-row, climbed into the outliers: a loss weight ramped up (KL annealing, a consistency loss's
-ramp-up), a regime moving over several steps. A burst of corrupt batches jumps there from an
-ordinary step. A climb is applied, its growth bounded to this factor a step over the scale it has
-reached: skipping it held ramped runs for 40 steps, and a 1e4x batch inside it passes bounded."""
-
-BURST_END_DROP = 6.0
-"""See ``BURST_END_LOSS``: a run ends in one step where its gradient falls this many times under
-both the step before's and its level in the run (the geometric mean of its ratios), as a burst's
-does when clean batches come back; a new regime is learned down gradually."""
-
-BURST_END_LOSS = 2.0
-"""A run of outliers trained on past ``outlier_skips`` that ends in one step (``BURST_END_DROP``)
-with the loss this many times its level before the run or more was a burst of bad batches that
-damaged the model (the model's gradient on clean batches stays elevated while it recovers):
-rewound to before it. A regime that ends so (a loss weight raised for a phase) left the model
-trained, its loss at its level. The cost: a deliberate phase of 41-100 steps of outlier-sized
-gradients after which the model has forgotten the earlier data 2x is rewound too."""
-
-BURST_END_TRAINED = 5
-"""See ``BURST_END_LOSS``: a run is judged at its end once it was trained on for this many steps.
-The first updates taken after the skips move a model that stood still for 40 steps (a part
-unfrozen meanwhile takes its first steps, Adagrad's first is lr x the sign): its gradient may
-fall at once by the run's own doing, and a burst that ends so soon did little damage."""
-
-BURST_END_WITHIN = 100
-"""See ``BURST_END_LOSS``: runs that end within this many steps of their start (the detector's
-baselines move to a level held 100 steps: after that the ratios are no longer the run's before)."""
-
-_CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
-
-TRIAL_AFTER = 1
-"""Outliers skipped in a row after which the next is taken, scaled to the typical norm, as a trial. A skip leaves the model as it was: an outlier that the model's own
-state produces (a spike of the run's own, a warm-up overshoot) comes back at the next batch, and
-skipping it again and again refuses the very step that heals it (skipped 40 in a row, the skip
-budget). A bad batch's outlier does not heal when taken; the model's own does: its next gradient
-is smaller (``TRIAL_FALL``). A trial that does not heal makes the skips before the next four
-times as many: a burst of 40 corrupt batches meets three trials, each a step of ordinary size."""
-
-TRIAL_FALL = 0.8
-"""See ``TRIAL_AFTER``: a trial healed when the next outlier is at most this fraction of it (or
-there is none) and the loss's excess over its level at most half of the trial's: the model's own
-spike heals in both (its loss comes back), a batch's noise moves one of them by chance (outliers
-of a phase or a burst vary 5x from batch to batch, their loss stays up). ``TRIAL_OWN`` heals in
-a row make the run of outliers the run's own."""
-
-TRIAL_OWN = 3
-"""See ``TRIAL_FALL``: from then on the run's outliers are trained on, bounded, not skipped."""
-
-TAIL_LOSS = 2.5
-"""An outlier gradient on a batch whose loss is under this many times its level is not a batch the
-model finds wrong: a heavy-tailed objective (a rare large reward, a rare heavy sample weight) or
-a gradient corrupted after the loss (a bad reduction: rare). Corrupt data raises the loss with the
-gradient (bursts and bad shards of the benchmark: 2.8x to 1e8x). Once one such outlier has been
-seen (``TAIL_SEEN``) the next are the run's own distribution -- those with the loss at its
-level, or at most twice as far above it as the tail's outliers have been (a reward's loss varies
-from batch to batch) -- taken, bounded to ``TAIL_BOUND`` times the largest seen, unless one taken
-was followed by damage (``TAIL_DAMAGE``)."""
-
-TAIL_SEEN = 1
-"""See ``TAIL_LOSS``: such outliers skipped before the next are taken."""
-
-TAIL_BOUND = 4.0
-"""See ``TAIL_LOSS``."""
-
-TAIL_DAMAGE = 3.0
-"""See ``TAIL_LOSS``: a loss this many times its level (or non-finite, or diverged) within
-``TAIL_WATCH`` steps after one was taken: such outliers are skipped again, for the rest of the run."""
-
-TAIL_WATCH = 3
-"""See ``TAIL_DAMAGE``."""
-
-_TAIL_NOTE = "the run's own heavy tail (outliers with the loss at its level seen before, none damaged the run), bounded"
-
-_TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "
-               "typical norm, to see whether it heals (a bad batch's does not)")
-_OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient smaller): trained on, bounded"
 
 _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)})
 
@@ -526,7 +233,7 @@ class Policy:
                 if note:
                     reasons.append(note)
                     suppressed = (note,)
-        actions = tuple(sorted(wanted, key=_SEVERITY.__getitem__, reverse=True))
+        actions = tuple(sorted(wanted, key=SEVERITY.__getitem__, reverse=True))
         self._after(actions, alerts, t, nonfinite_now or skipped, evidence)
         restores = Action.REWIND in wanted or Action.REPAIR in wanted
         return PolicyDecision(
@@ -556,7 +263,7 @@ class Policy:
             # a part of the model starts or resumes training: the run's own step; one that resumes
             # (idle experts may come back at any step) is bounded
             if a.values.get("idle", 0.0) and ratio > IDLE_STEP_CAP:
-                return Action.CLIP, IDLE_STEP_CAP / ratio, _IDLE_NOTE
+                return Action.CLIP, IDLE_STEP_CAP / ratio, IDLE_NOTE
             return Action.NONE, None, ""
         if self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None, ""  # the run recovering from its own large update: let it
@@ -570,7 +277,7 @@ class Policy:
             if known:
                 cap = TAIL_BOUND * self.tail_max
                 self.tail_taken, self.tail_max = t, max(self.tail_max, min(ratio, cap))
-                return (Action.NONE, None, _TAIL_NOTE) if ratio <= cap else (Action.CLIP, cap / ratio, _TAIL_NOTE)
+                return (Action.NONE, None, TAIL_NOTE) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE)
             self.tail_seen += 1
             self.tail_max = max(self.tail_max, ratio)
         prev = a.values.get("prev_ratio", 1.0)
@@ -580,10 +287,10 @@ class Policy:
         if self.climb == self.climb:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
-            return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, _CLIMB_NOTE)
+            return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, CLIMB_NOTE)
         bounded = self.cfg.outlier_clip_ratio / ratio if ratio == ratio and ratio > self.cfg.outlier_clip_ratio else None
         if self.heals >= TRIAL_OWN:
-            return Action.CLIP if bounded else Action.NONE, bounded, _OWN_NOTE
+            return Action.CLIP if bounded else Action.NONE, bounded, OWN_NOTE
         typical = 1.0 / ratio if ratio == ratio and ratio > 1.0 else None  # a trial's step: of ordinary size
         if self.trial[0] == self.trial[0]:  # the step after a trial
             g0, l0 = self.trial
@@ -592,12 +299,12 @@ class Policy:
                 self.heals += 1
                 self.trial = (ratio, loss)
                 if self.heals >= TRIAL_OWN:
-                    return Action.CLIP if bounded else Action.NONE, bounded, _OWN_NOTE
-                return Action.CLIP if typical else Action.NONE, typical, _TRIAL_NOTE
+                    return Action.CLIP if bounded else Action.NONE, bounded, OWN_NOTE
+                return Action.CLIP if typical else Action.NONE, typical, TRIAL_NOTE
             self.trial, self.heals, self.failed_trials = (math.nan, math.nan), 0, self.failed_trials + 1
         elif self.skips_in_row >= TRIAL_AFTER << 2 * self.failed_trials and self.outliers <= self.cfg.outlier_skips:
             self.trial, self.skips_in_row = (ratio, a.values.get("loss_ratio", math.nan)), 0
-            return Action.CLIP if typical else Action.NONE, typical, _TRIAL_NOTE
+            return Action.CLIP if typical else Action.NONE, typical, TRIAL_NOTE
         if self.outliers <= self.cfg.outlier_skips:
             self.skips_in_row += 1
             return action, None, ""
