@@ -54,11 +54,13 @@ Definitions
   Skipped steps (every method that skips: earlywarn's skipped_steps counter, gradscaler_skip,
   olmo_skipstep's 0-factor steps), per optimizer of a run, the loop step of each recorded:
   skip% = skipped steps / steps run; streak = the most consecutive skipped steps;
-  streak@level = the most consecutive skipped steps once the loss is back at its level: for each
-  streak of skips, its level is the top of the train loss, smoothed (the median of the step, the
-  one before and the one after it), over the {LEVEL_STEPS} steps before its first skip; it counts its skips from the first
-  one whose smoothed train loss is <= top + {LEVEL_TOLERANCE} |top| (a skip while the model's loss is still
-  up, the model damaged, is not counted; a streak with no steps before it is counted whole).
+  streak@level = the most consecutive skipped steps once the loss is back at its level: skips
+  less than {LEVEL_STEPS} steps apart are one episode, whose level is the top of the train loss,
+  smoothed (the median of the step, the one before and the one after it), over the steps from
+  {LEVEL_STEPS} before its first skip to 2 before it (no skip in them); each streak in it counts its skips
+  from the first one whose smoothed train loss is <= top + {LEVEL_TOLERANCE} |top| (a skip while the loss is
+  still up -- the model damaged, or the loss's scale changed -- is not counted; an episode with
+  no steps before it is counted whole).
   s = skip harm: skip% > {100 * SKIP_FRACTION_LIMIT:g}% or streak@level > {SKIP_STREAK_LIMIT} (the worst optimizer of the run).
   Faulted: dying = bare keeps < {DYING_BELOW} (or ends non-finite); rescued = the method keeps >= {RESCUED_AT}
   and was not halted. The rescue table counts dying configs only.
@@ -114,14 +116,15 @@ def skip_stats(res: dict) -> dict:
         if not skipped:
             continue
         out["fraction"] = max(out["fraction"], len(skipped) / max(1, len(losses)))
-        for first, last in streaks(sorted(skipped)):
+        top = math.nan
+        for i, (first, last) in enumerate(runs := streaks(sorted(skipped))):
             out["streak"] = max(out["streak"], last - first + 1)
-            level = [_smoothed(losses, t) for t in range(max(0, first - LEVEL_STEPS), first)]
-            level = [v for v in level if math.isfinite(v)]
-            if not level:
+            if i == 0 or first - runs[i - 1][1] > LEVEL_STEPS:  # a new episode: its level, from steps with no skip
+                level = [_smoothed(losses, t) for t in range(max(0, first - LEVEL_STEPS), first - 1)]
+                top = max((v for v in level if math.isfinite(v)), default=math.nan)
+            if not math.isfinite(top):
                 out["streak_at_level"] = max(out["streak_at_level"], last - first + 1)
                 continue
-            top = max(level)
             back = next((t for t in range(first, last + 1) if _smoothed(losses, t) <= top + LEVEL_TOLERANCE * abs(top)), None)
             if back is not None:
                 out["streak_at_level"] = max(out["streak_at_level"], last - back + 1)
@@ -132,18 +135,21 @@ def skip_harmed(stats: dict) -> bool:
     return stats["fraction"] > SKIP_FRACTION_LIMIT or stats["streak_at_level"] > SKIP_STREAK_LIMIT
 
 
-def bare_spikes(res: dict) -> list[tuple[int, float]]:
-    """(step, ratio) of every bare gradient spike (see DEFINITIONS) of optimizer 0."""
+def grad_ratios(res: dict) -> list[tuple[int, float]]:
+    """(step, gradient norm over the median of the SPIKE_WINDOW steps before) from SPIKE_FROM on, optimizer 0."""
     norms = (res.get("grad_norms") or [[]])[0]
     out = []
     for t in range(SPIKE_FROM, len(norms)):
         before = [v for v in norms[max(0, t - SPIKE_WINDOW):t] if v is not None]
-        if norms[t] is None or not before:
+        if norms[t] is None or not before or statistics.median(before) <= 0:
             continue
-        typical = statistics.median(before)
-        if typical > 0 and norms[t] / typical > OUTLIER_RATIO:
-            out.append((t, norms[t] / typical))
+        out.append((t, norms[t] / statistics.median(before)))
     return out
+
+
+def bare_spikes(res: dict) -> list[tuple[int, float]]:
+    """(step, ratio) of every bare gradient spike (see DEFINITIONS) of optimizer 0."""
+    return [(t, r) for t, r in grad_ratios(res) if r > OUTLIER_RATIO]
 
 
 def is_dying(bare_faulted: dict, twin: dict) -> bool:
@@ -287,7 +293,7 @@ def spike_table(configs, results) -> str:
         if not bares:
             continue
         spikes = [bare_spikes(b) for b in bares]
-        top = sorted(max((r for _, r in sp), default=0.0) for sp in spikes)
+        top = sorted(max((r for _, r in grad_ratios(b)), default=0.0) for b in bares)
         ews = [results.get((c["id"], "earlywarn")) for c in cs]
         ews = [r for r in ews if r and not r.get("error")]
         outl = sum(any(e["kind"] == "grad_outlier" for e in r.get("events", [])) for r in ews)
@@ -297,7 +303,7 @@ def spike_table(configs, results) -> str:
                      f"{statistics.median(top):.1f} ({top[0]:.1f}-{top[-1]:.1f})",
                      f"{min(steps)}-{max(steps)}" if steps else "-",
                      f"{outl} of {len(ews)}" if ews else "-", f"{skipped} of {len(ews)}" if ews else "-"])
-    return _table(["own spikes", "bare runs", "with a spike", "largest ratio: median (range)", "at steps",
+    return _table(["own spikes", "bare runs", f"with a spike > {OUTLIER_RATIO:g}x", "largest ratio: median (range)", "at steps",
                    "earlywarn: grad_outlier", "earlywarn: skipped"], rows) if rows else ""
 
 

@@ -136,6 +136,11 @@ def test_skip_harm_counts_a_streak_only_once_the_loss_is_back_at_its_level():
     neg = [-2.0] * 20 + [-1.5] * 5 + [-1.9] * 15
     st = rescue.skip_stats({"skipped_steps": [list(range(20, 30))], "losses": [neg]})
     assert st["streak_at_level"] == 5
+    # a loss whose scale moved up 30x: never back at the old level, even across a step applied in
+    # between (skips less than LEVEL_STEPS apart share the level from before the first)
+    scaled = level + [30.0] * 20
+    st = rescue.skip_stats({"skipped_steps": [[20, 21, 22] + list(range(24, 34))], "losses": [scaled]})
+    assert st["streak"] == 10 and st["streak_at_level"] == 0
     # the limits: 1 of 200 steps is 0.5% (allowed), 2 are not; 5 in a row at the level allowed, 6 not
     flat = [1.0] * 200
     assert not rescue.skip_harmed(rescue.skip_stats({"skipped_steps": [[50]], "losses": [flat]}))
