@@ -170,7 +170,8 @@ def jobs_for(configs: list[dict], methods: list[str]) -> list[tuple[dict, str]]:
 
 def _cost(job) -> float:
     cfg, method = job
-    per_step = {"chargpt": 12.0 if cfg["family"] == "self_spike" else 6.0, "cnn": 3.0, "lstm": 3.0, "gan": 2.0}.get(cfg["task"]["name"], 1.0)
+    per_step = {"chargpt": 12.0 if cfg["family"] == "self_spike" else 6.0, "cnn": 3.0, "lstm": 3.0,
+                "gan": 2.0}.get(cfg["task"]["name"], 1.0)
     return cfg["steps"] * per_step * cfg.get("accum", 1) * (1.5 if method in ("earlywarn", "olmo_skipstep") else 1.0)
 
 
