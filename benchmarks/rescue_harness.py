@@ -6,7 +6,9 @@ into the param groups -- or steps the torch scheduler it passed to ``watch(sched
 Faults and events are applied the same way for every method (``Perturb``): data and sample
 weights in the batch; gradient faults between ``backward()`` and the loop's clipping (so every
 method, earlywarn's guard inside ``optimizer.step`` included, sees them); optimizer-state poison
-between two steps; an LR pulse through the loop's own schedule.
+between two steps; an LR pulse or climb through the loop's own schedule. Per step it records the
+train loss, the total gradient norm every method is handed (after a gradient fault, before the
+loop's clipping) and whether the method skipped the update (its skip count moved).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import traceback
 
 import torch
 
-from rescue_peers import make_method
+from rescue_peers import make_method, total_norm
 from rescue_tasks import gen, make_task
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,6 +100,8 @@ class Perturb:
         f = self.fault
         if self.kind == "lr_pulse" and f["at"] <= it < f["at"] + f["length"]:
             return f["factor"]
+        if self.kind == "lr_climb" and it >= f["at"]:
+            return f["factor"] ** (it - f["at"] + 1)
         return 1.0
 
     def batch(self, it: int, micro: int, b: dict) -> dict:
@@ -213,6 +217,8 @@ def _train(config: dict, method_name: str, res: dict) -> None:
     res["E0"] = task.evaluate()
     method.attach(task, opts, scheds)
     losses = [[] for _ in opts]
+    norms = [[] for _ in opts]  # the total gradient norm each method was handed (after a gradient fault, before clipping)
+    skipped = [[] for _ in opts]  # the loop steps whose update the method skipped
     it = 0
     try:
         for it in range(steps):
@@ -222,7 +228,11 @@ def _train(config: dict, method_name: str, res: dict) -> None:
                     lr = lr_at(config["sched"], spec["lr"], it, steps) * perturb.lr_factor(it)
                     for group in opt.param_groups:
                         group["lr"] = lr
-                if not _one_step(task, method, perturb, opt, k, it, accum, losses[k]):
+                before = method.skip_total()
+                go_on = _one_step(task, method, perturb, opt, k, it, accum, losses[k], norms[k])
+                if method.skip_total() > before:
+                    skipped[k].append(it)
+                if not go_on:
                     res["halted"], res["halt_step"], res["halt_message"] = True, it, "stopped: non-finite loss or grad norm"
                     break
                 if scheds[k] is not None:
@@ -238,9 +248,12 @@ def _train(config: dict, method_name: str, res: dict) -> None:
     res["E"] = task.evaluate()
     res["params_finite"] = all(bool(torch.isfinite(p).all()) for m in task.models for p in m.parameters())
     res["loss_curve"] = [_bins(l) for l in losses]
+    res["losses"] = [[_short(v) for v in l] for l in losses]
+    res["grad_norms"] = [[_short(v) for v in n] for n in norms]
+    res["skipped_steps"] = skipped
 
 
-def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
+def _one_step(task, method, perturb, opt, k, it, accum, losses, norms) -> bool:
     """One optimizer step of optimizer ``k``; False when the method stops the run."""
     opt.zero_grad(set_to_none=True)
     total = torch.zeros(())
@@ -261,6 +274,7 @@ def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
     losses.append(float(loss))
     if k == 0:
         perturb.grads(it, task.params(k))
+    norms.append(float(total_norm(task.params(k))))
     norm = method.clip(k)
     action = method.before_step(k, loss, norm)
     if action == "stop":
@@ -268,6 +282,11 @@ def _one_step(task, method, perturb, opt, k, it, accum, losses) -> bool:
     if action == "step":
         method.step(k)
     return True
+
+
+def _short(v: float) -> float | None:
+    """``v`` to 5 significant digits (None when non-finite: the cache is plain JSON)."""
+    return float(f"{v:.5g}") if math.isfinite(v) else None
 
 
 def _bins(values: list[float]) -> list[float | None]:

@@ -89,6 +89,10 @@ class Method:
     def step(self, k: int) -> None:
         self.opts[k].step()
 
+    def skip_total(self) -> int:
+        """Updates skipped so far, all optimizers together (the loop reads it around each step)."""
+        return self.skips
+
     def close(self) -> dict:
         return {"skips": self.skips}
 
@@ -234,6 +238,9 @@ class Earlywarn(Method):
 
     def report_loss(self, k, loss):
         self.ews[k].report_loss(loss)
+
+    def skip_total(self):
+        return sum(int(ew.counters.get("skipped_steps", 0)) for ew in self.ews)
 
     def close(self):
         for ew in self.ews:

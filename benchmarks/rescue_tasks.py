@@ -9,7 +9,8 @@ Tasks (``make_task(config)``): ``regression`` (teacher MLP + noise, MSE), ``clas
 clusters with label noise, CE), ``chargpt`` (examples/tinygpt.py on the stdlib's source),
 ``cnn`` (shifted templates, conv + BatchNorm), ``lstm`` (a delayed-recall sequence task),
 ``gauss_nll`` (heteroscedastic regression, a loss that goes below zero), ``gan`` (a ring of 2-D
-Gaussians, generator and discriminator). Stages (``config["task"]["stages"]``: a domain switch,
+Gaussians, generator and discriminator), ``bandit`` (REINFORCE on a contextual bandit whose payouts
+are rare and large). Stages (``config["task"]["stages"]``: a domain switch,
 a curriculum) change the data at given loop steps; the eval set is the last stage's.
 """
 
@@ -499,8 +500,61 @@ class GAN(Task):
         return float(2 * torch.cdist(fake, real).mean() - torch.cdist(fake, fake).mean() - torch.cdist(real, real).mean())
 
 
+class Bandit(Task):
+    """A contextual bandit trained by REINFORCE: ``actions`` arms, the best one for a context the
+    argmax of a fixed random linear teacher; the best arm pays ``reward`` with probability ``p``,
+    every other arm with probability ``others * p``, else 0. Actions are drawn from the policy
+    by inverse CDF on the step's own uniforms (so batch ``it`` is a pure function of the seed,
+    the step and the policy), and so are the payouts. Loss: ``-mean((r - b) log pi(a|x))`` with
+    ``b`` 0 or the batch's mean reward (``baseline``), minus ``entropy`` times the policy's
+    entropy. Eval (it falls as the policy improves): 1 - the policy's expected payout over
+    the best arm's, on fixed held-out contexts, computed exactly (no sampling)."""
+
+    float_inputs = ("x",)
+
+    def __init__(self, cfg: dict, seed: int):
+        super().__init__(cfg, seed)
+        self.teacher = torch.randn(cfg["d_in"], cfg["actions"], generator=gen(seed, "arms"))
+        torch.manual_seed(seed)
+        self.models = [mlp(cfg["d_in"], cfg["width"], cfg["depth"], cfg["actions"], cfg.get("act", "relu"))]
+
+    def pay_probability(self, x: torch.Tensor) -> torch.Tensor:
+        """Per context and arm, the probability that pulling it pays ``reward``."""
+        best = (x @ self.teacher).argmax(1)
+        prob = torch.full((len(x), self.cfg["actions"]), self.cfg["others"] * self.cfg["p"])
+        prob[torch.arange(len(x)), best] = self.cfg["p"]
+        return prob
+
+    def sample(self, g, n, stage):
+        return {"x": torch.randn(n, self.cfg["d_in"], generator=g), "u": torch.rand(n, generator=g),
+                "v": torch.rand(n, generator=g)}
+
+    def loss(self, k, batch):
+        logits = self.models[0](batch["x"])
+        logp = F.log_softmax(logits, -1)
+        with torch.no_grad():
+            cdf = logp.exp().cumsum(-1)
+            a = (cdf < batch["u"].unsqueeze(1)).sum(1).clamp_max(self.cfg["actions"] - 1)
+            pays = batch["v"] < self.pay_probability(batch["x"]).gather(1, a[:, None]).squeeze(1)
+            r = pays.float() * self.cfg["reward"]
+            if self.cfg["baseline"] == "mean":
+                r = r - r.mean()
+        per = -r * logp.gather(1, a[:, None]).squeeze(1) + self.cfg["entropy"] * (logp.exp() * logp).sum(-1)
+        return weighted_mean(per, batch)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        x = self.eval_batch["x"]
+        logits = self.models[0](x)
+        if not bool(torch.isfinite(logits).all()):
+            return math.nan
+        payout = (F.softmax(logits, -1) * self.pay_probability(x)).sum(1)
+        return float(1.0 - payout.mean() / self.cfg["p"])
+
+
 TASKS = {"regression": Regression, "multitask": MultiTask, "gauss_nll": GaussNLL, "classify": Classify, "chargpt": CharGPT,
-         "cnn": CNN, "lstm": LSTMRecall, "gan": GAN}
+         "cnn": CNN, "lstm": LSTMRecall, "gan": GAN,
+         "bandit": Bandit}
 
 
 def make_task(config: dict) -> Task:

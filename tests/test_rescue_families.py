@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import rescue  # noqa: E402
 import rescue_harness  # noqa: E402
-from rescue_families import FAMILIES, FAULT_FAMILIES, HEALTHY, twin_of  # noqa: E402
+from rescue_families import FAMILIES, FAULT_FAMILIES, HEALTHY, _loop_lr, twin_of  # noqa: E402
 from rescue_harness import cache_key, run_one  # noqa: E402
 from rescue_peers import SkipStepAdamW, SkipStepWindow  # noqa: E402
 
@@ -81,6 +81,8 @@ def _strong(name: str) -> dict:
         f.update(at=late, length=30, factor=100.0)
     elif name == "bad_shard":
         f.update(at=int(0.2 * cfg["steps"]), p=0.12, how="both", scale=200.0)
+    elif name == "lr_climb":  # the earliest and steepest climb: 1.03x a step from 30% of the run on
+        f.update(at=int(0.3 * cfg["steps"]), factor=1.03)
     return cfg
 
 
@@ -114,6 +116,70 @@ def test_scoring_on_hand_made_numbers():
     assert not rescue.is_dying(_res(E=0.1), twin)  # kept 0.95
     assert rescue.is_rescued(_res(E=0.1), twin) and not rescue.is_rescued(_res(E=0.1, halted=True), twin)
     assert not rescue.is_rescued(_res(E=0.2), twin)  # kept 0.9
+
+
+def test_skip_harm_counts_a_streak_only_once_the_loss_is_back_at_its_level():
+    level, up = [3.0] * 20, [9.0] * 6
+    losses = level + up + [3.0] * 14  # 40 steps: a loss spike at steps 20-25, back from 26 on
+    # skipped 20-33: the first 6 while the loss is up (not counted at level), 8 once it is back
+    st = rescue.skip_stats({"skipped_steps": [list(range(20, 34))], "losses": [losses]})
+    assert st == {"fraction": 14 / 40, "streak": 14, "streak_at_level": 8}
+    assert rescue.skip_harmed(st)
+    # skipped only while the loss is up: the streak is 6, none of it at the level
+    st = rescue.skip_stats({"skipped_steps": [list(range(20, 26))], "losses": [losses]})
+    assert st["streak"] == 6 and st["streak_at_level"] == 0
+    # a one-step wobble above the level does not end "back at the level" (the median of three)
+    wobbly = level + [3.0, 3.0, 3.5, 3.0, 3.0, 3.0] + [3.0] * 14
+    st = rescue.skip_stats({"skipped_steps": [list(range(20, 27))], "losses": [wobbly]})
+    assert st["streak_at_level"] == 7
+    # a loss below zero: back at the level means within 10% of |top| above it
+    neg = [-2.0] * 20 + [-1.5] * 5 + [-1.9] * 15
+    st = rescue.skip_stats({"skipped_steps": [list(range(20, 30))], "losses": [neg]})
+    assert st["streak_at_level"] == 5
+    # a loss whose scale moved up 30x: never back at the old level, even across a step applied in
+    # between (skips less than LEVEL_STEPS apart share the level from before the first)
+    scaled = level + [30.0] * 20
+    st = rescue.skip_stats({"skipped_steps": [[20, 21, 22] + list(range(24, 34))], "losses": [scaled]})
+    assert st["streak"] == 10 and st["streak_at_level"] == 0
+    # the limits: 1 of 200 steps is 0.5% (allowed), 2 are not; 5 in a row at the level allowed, 6 not
+    flat = [1.0] * 200
+    assert not rescue.skip_harmed(rescue.skip_stats({"skipped_steps": [[50]], "losses": [flat]}))
+    assert rescue.skip_harmed(rescue.skip_stats({"skipped_steps": [[50, 90]], "losses": [flat]}))
+    assert not rescue.skip_harmed({"fraction": 0.004, "streak": 5, "streak_at_level": 5})
+    assert rescue.skip_harmed({"fraction": 0.004, "streak": 6, "streak_at_level": 6})
+    # the worst optimizer of a two-optimizer run (a GAN) counts
+    st = rescue.skip_stats({"skipped_steps": [[], [5, 6, 7]], "losses": [flat, flat]})
+    assert st["streak"] == 3 and st["fraction"] == 3 / 200
+
+
+def test_a_bare_spike_is_a_gradient_over_the_outlier_ratio_times_the_median_before_it():
+    norms = [1.0] * 30
+    norms[12], norms[25] = 19.0, 25.0
+    assert [t for t, _ in rescue.bare_spikes({"grad_norms": [norms]})] == [25]
+    norms[3] = 100.0  # before SPIKE_FROM: the first steps have no typical norm yet
+    assert [t for t, _ in rescue.bare_spikes({"grad_norms": [norms]})] == [25]
+
+
+def test_an_lr_climb_multiplies_the_loops_lr_by_its_factor_once_more_every_step():
+    cfg = copy.deepcopy(FAULT_FAMILIES["lr_climb"].configs(0, 1)[0])
+    cfg["fault"].update(at=10, factor=1.02)
+    perturb = rescue_harness.Perturb(cfg, task=None)
+    assert [perturb.lr_factor(it) for it in (0, 9)] == [1.0, 1.0]
+    assert perturb.lr_factor(10) == pytest.approx(1.02) and perturb.lr_factor(109) == pytest.approx(1.02 ** 100)
+    assert all(_loop_lr(c["base_family"]) for c in FAULT_FAMILIES["lr_climb"].configs(0, 12))
+
+
+@pytest.mark.slow
+def test_the_harness_records_the_steps_each_skipping_method_skipped():
+    cfg = copy.deepcopy(min((c for c in FAULT_FAMILIES["nonfinite_grad"].configs(0, 12)
+                             if c["task"]["name"] == "regression"), key=lambda c: c["steps"]))
+    faulted = cfg["fault"]["steps"]
+    peer = run_one(cfg, "gradscaler_skip")
+    assert peer["error"] is None and peer["skipped_steps"] == [faulted] and peer["skips"] == len(faulted)
+    ew = run_one(cfg, "earlywarn")
+    assert ew["error"] is None
+    assert len(ew["skipped_steps"][0]) == ew["counters"]["skipped_steps"] and set(faulted) <= set(ew["skipped_steps"][0])
+    assert len(ew["losses"][0]) == len(ew["grad_norms"][0]) == cfg["steps"]
 
 
 def test_the_cache_key_follows_earlywarn_files_for_earlywarn_runs_only(tmp_path):
