@@ -27,7 +27,7 @@ import torch
 
 from earlywarn.capture.norms import NormSum
 
-from ._state import local
+from .forms import is_wrapped, local, parts
 from .holders import state_holders, stepper
 
 
@@ -39,8 +39,11 @@ def _state_tensors(tree: object, out: list[torch.Tensor]) -> None:
     # flat dicts of tensors (torch.optim) cost one loop; containers (heavyball) recurse
     for v in tree.values() if isinstance(tree, dict) else tree:  # type: ignore[attr-defined]
         if type(v) is torch.Tensor or isinstance(v, torch.Tensor):
-            if _checked(v):
-                out.append(local(v))
+            t = local(v)
+            if is_wrapped(t):  # a subclass (torchao's quantized moments): its floating parts (forms.py)
+                out += [x for x in parts(t) or () if _checked(x)]
+            elif _checked(v):
+                out.append(t)
         elif isinstance(v, (dict, list, tuple)):
             _state_tensors(v, out)
 
@@ -102,8 +105,8 @@ class StateCheck:
     def _plan(self, values: list[Any] | None, walked: list[torch.Tensor]) -> None:
         """Plan the next calls from this walk, when the state is flat (no containers inside)."""
         self._ids, self._sum = None, None
-        if values is None or any(isinstance(v, (dict, list, tuple)) for v in values):
-            return
+        if values is None or any(isinstance(v, (dict, list, tuple)) or is_wrapped(local(v)) for v in values):
+            return  # nested state, or a subclass read through its parts: walked every time
         picked = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and _checked(v)]
         if len(picked) != len(walked):
             return  # not what the walk found (cannot happen for flat state): no plan
