@@ -272,3 +272,27 @@ def test_a_repair_that_leaves_the_state_non_finite_is_followed_by_no_update():
     assert "velocity_q" in rewind.message  # what was left, and why
     assert len(read) >= 25 and all(read) and not ever_bad  # no update ever read the NaN
     assert not [e for e in ew.events if e.kind in (Kind.NONFINITE_GRAD, Kind.LOSS_NONFINITE)]
+
+
+def test_while_no_rewind_is_allowed_state_a_repair_left_non_finite_skips_every_update():
+    # a second poisoning within the rewind cooldown: the rewind is not granted, so each step is
+    # skipped (said so), and the NaN never reaches the weights
+    from earlywarn.policy import PolicyConfig
+
+    model = _model()
+    opt = RepackedSGD(model.parameters(), copies=True)
+    read = []
+    opt.register_step_pre_hook(lambda o, a, k: read.append(all(bool(torch.isfinite(st["velocity_q"]).all())
+                                                               for st in o.state.values())))
+
+    def poison(opt, step):
+        if step in (8, 14):
+            with torch.no_grad():
+                opt.state[model[0].weight]["velocity_q"][2, 3] = math.nan
+
+    ew, ever_bad = _train(model, opt, 24, poison=poison, options={"policy": PolicyConfig(rewind_cooldown=100)})
+    assert ew.counters["rewinds"] == 1 and all(read) and not ever_bad
+    held = [e for e in ew.events if e.kind is Kind.NO_REWIND]
+    assert held and "cooldown" in held[0].message and held[0].values["skipped"] == 1.0
+    skips = [e for e in ew.events if e.kind is Kind.SKIP]
+    assert skips and all("a repair left non-finite" in e.message for e in skips), [e.message for e in skips]

@@ -160,6 +160,8 @@ class Responses:
             where = f" in {out.layers[0]!r} (first to move)" if out.layers else ""
             what = (f"outlier gradient{where}: norm {obs.grad_norm:.3g}, {out.values.get('ratio', math.nan):.3g}x "
                     "its typical norm")
+        elif self.recovery.unrepaired is not None:  # a rewind the policy did not grant yet
+            what = f"optimizer state a repair left non-finite ({self.recovery.unrepaired.after.summary()}), no rewind yet"
         elif decision.overflow:
             huge = self.statistics.in_backward_order(np.flatnonzero(obs.layer_norms ** 2 > SQ_OVERFLOW))
             what = (f"huge finite gradient in {self.telemetry.layer_names[huge[0]]!r} (norm {obs.grad_norm:.3g}: its "

@@ -129,12 +129,14 @@ class StateCheck:
         """``value``: the flag as read on the host with the step's vector. When the state holds
         a NaN or Inf, repair it now, before this step's update (``recovery.repair``: scan,
         reset the poisoned coordinates, verify, one REPAIR event). True when something was
-        repaired. A repair that could not make the state finite is retried ``retry_after``
-        steps later, not at every step (what it left is then the rest of the guard's to meet)."""
-        if math.isfinite(value):
+        repaired. State a repair could not make finite is the judge's to meet
+        (``recovery.unrepaired``: rewound before any update reads it), not repaired again here;
+        one that left nothing for it (a dry run's, or poisoned buffers only) is retried
+        ``retry_after`` steps later, not at every step."""
+        if math.isfinite(value) or recovery.unrepaired is not None:
             return False
-        if self._failed_at is not None and step - self._failed_at < self.retry_after:
+        if self._failed_at is not None and 0 <= step - self._failed_at < self.retry_after:
             return False
         report = recovery.repair(step)
-        self._failed_at = None if report.ok else step
+        self._failed_at = None if report.ok or recovery.unrepaired is not None else step
         return bool(report.repaired)
