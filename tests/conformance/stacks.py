@@ -9,17 +9,15 @@ no downloads; CPU only.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import earlywarn
 from codebases import VOCAB, _plain_loop, lm_batches
 from ecosystem import TinyLM, _lm_loss, _regression
-from harness import CellResult, Fault, Injector, guarded_run
+from harness import CellResult, Fault, Injector
 
 
 class WideMLP(nn.Module):
@@ -53,9 +51,8 @@ def _bnb(paged: bool) -> Callable[[Any], torch.optim.Optimizer]:
     def make(params: Any) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
-        with warnings.catch_warnings():  # (on a CPU the paged one says it falls back, at its first step)
-            warnings.simplefilter("ignore")
-            return (bnb.optim.PagedAdam8bit if paged else bnb.optim.Adam8bit)(params, lr=3e-3)
+        # (on a CPU the paged one falls back to the plain one at its first step, with a UserWarning)
+        return (bnb.optim.PagedAdam8bit if paged else bnb.optim.Adam8bit)(params, lr=3e-3)
     return make
 
 
