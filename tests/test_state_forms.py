@@ -296,3 +296,21 @@ def test_while_no_rewind_is_allowed_state_a_repair_left_non_finite_skips_every_u
     assert held and "cooldown" in held[0].message and held[0].values["skipped"] == 1.0
     skips = [e for e in ew.events if e.kind is Kind.SKIP]
     assert skips and all("a repair left non-finite" in e.message for e in skips), [e.message for e in skips]
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["state_dict_holds_the_live_tensors", "state_dict_copies"])
+def test_a_restore_follows_the_optimizers_own_state_dict_layout(copies):
+    # in place through the nested layout when it holds the live tensors; else the optimizer's own load
+    model = _model()
+    opt = RepackedSGD(model.parameters(), copies=copies)
+    _train(model, opt, 3)
+    host = capture_state(3, model=model, optimizer=opt)
+    live = opt.state[model[0].weight]["velocity_q"]
+    want = live.clone()
+    with torch.no_grad():
+        live.fill_(math.nan)
+    opt.state[model[0].weight]["step"] = 99
+    restore_state(host.wait(), model=model, optimizer=opt)
+    now = opt.state[model[0].weight]
+    assert torch.equal(now["velocity_q"], want) and now["step"] == 3
+    assert (now["velocity_q"] is live) == (not copies)  # in place only where the layout holds the live tensor
