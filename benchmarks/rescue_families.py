@@ -89,7 +89,7 @@ def cosine(rng: random.Random, warm_lo: float = 0.0, warm_hi: float = 0.1) -> di
     return {"kind": "cosine", "warmup": rng.uniform(warm_lo, warm_hi), "floor": rng.choice([0.0, 0.1])}
 
 
-LOOP_SCHEDULES = ("const", "cosine")
+LOOP_SCHEDULES = ("const", "cosine", "two_phase", "cyclic", "rewarm")
 """Schedules the loop computes from its own step counter and writes into the param groups
 (an LR fault can ride on these); the others are torch schedulers passed to ``watch()``."""
 
@@ -413,6 +413,30 @@ def heavy_reward(rng):
     return base(rng, "bandit")
 
 
+# Two more for issue 48 (written before the rule they check was measured on them): learning rates
+# that rise step after step, long after the run's first steps, on purpose -- the healthy side of a
+# schedule bug's climb. A cyclic schedule (triangular, Smith 2017) that starts after a flat stretch
+# at its low rate, and a re-warm-up (a second stage, continued training: the run at a low rate,
+# then a linear warm-up 3-10x back up to a rate in the healthy range, then cosine down), both
+# peaking inside the task's healthy range.
+def lr_cycle(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "cnn", "chargpt"]), (300, 600))
+    lo, hi = healthy_lr_range(cfg["task"]["name"], cfg["opt"]["name"])
+    cfg["opt"]["lr"] = loguniform(rng, (lo * hi) ** 0.5, hi)
+    cfg["sched"] = {"kind": "cyclic", "ratio": rng.uniform(3.0, 8.0), "at": rng.randint(50, 150),
+                    "half": rng.randint(30, 120)}
+    return cfg
+
+
+def rewarm(rng):
+    cfg = base(rng, rng.choice(["regression", "classify", "cnn", "chargpt"]), (300, 600))
+    lo, hi = healthy_lr_range(cfg["task"]["name"], cfg["opt"]["name"])
+    cfg["opt"]["lr"] = loguniform(rng, (lo * hi) ** 0.5, hi)
+    cfg["sched"] = {"kind": "rewarm", "ratio": rng.uniform(3.0, 10.0),
+                    "at": frac_step(rng, cfg["steps"], 0.3, 0.6), "warmup": rng.randint(30, 150)}
+    return cfg
+
+
 # ---------------------------------------------------------------- faults
 FAULT_BASES = ("regression_floor", "classify_noisy", "chargpt", "cnn_bn", "lstm_clip", "gauss_nll",
                "grad_accum", "warm_restarts", "onecycle", "finetune", "domain_switch", "curriculum",
@@ -536,6 +560,7 @@ _HEALTHY_MAKERS = {
     "empty_batches": (empty_batches, 7), "loss_ramp": (loss_ramp, 7),
     "pool_switch": (pool_switch, 7), "phase": (phase, 7),
     "self_spike": (self_spike, 7), "heavy_reward": (heavy_reward, 7),
+    "lr_cycle": (lr_cycle, 7), "rewarm": (rewarm, 7),
 }
 HEALTHY: dict[str, Family] = {name: Family(name, "healthy", make, n) for name, (make, n) in _HEALTHY_MAKERS.items()}
 FAULT_FAMILIES: dict[str, Family] = {

@@ -36,11 +36,28 @@ CURVE_BINS = 24
 
 # ---------------------------------------------------------------- schedules
 def lr_at(sched: dict, base: float, it: int, steps: int) -> float:
-    """The loop's own schedule (``const`` / ``cosine`` with linear warm-up)."""
+    """The loop's own schedule (``const``, ``cosine`` with linear warm-up, ``two_phase``, ``cyclic``,
+    ``rewarm``)."""
     if sched["kind"] == "const":
         return base
     if sched["kind"] == "two_phase":
         return base * (sched["low"] if it < sched["at"] else 1.0)
+    if sched["kind"] == "cyclic":  # flat at the low rate, then triangular cycles up to ``base``
+        low = base / sched["ratio"]
+        k = it - sched["at"]
+        if k < 0:
+            return low
+        up = 1.0 - abs((k % (2 * sched["half"])) / sched["half"] - 1.0)  # 0 -> 1 -> 0 over a period
+        return low + (base - low) * up
+    if sched["kind"] == "rewarm":  # flat at the low rate, a linear warm-up back to ``base``, cosine down
+        low = base / sched["ratio"]
+        k = it - sched["at"]
+        if k < 0:
+            return low
+        if k < sched["warmup"]:
+            return low + (base - low) * (k + 1) / sched["warmup"]
+        progress = min(1.0, (k - sched["warmup"]) / max(1, steps - sched["at"] - sched["warmup"]))
+        return low + (base - low) * 0.5 * (1 + math.cos(math.pi * progress))
     warm = max(1, int(sched["warmup"] * steps))
     if it < warm:
         return base * (it + 1) / warm

@@ -6,11 +6,20 @@ jump; a schedule bug that multiplies the learning rate a little every step (or a
 end) rises step after step from a rate the run had been training at for a long while. That rate
 is the one to hold when the run shows trouble: not the highest the creep reached calmly, which
 is already far too high by the time the loss moves.
+
+Trouble comes late on its own: the detector's baselines follow a loss that worsens slowly, and
+on the generated lr_climb runs (``benchmarks/rescue.py``) its warnings came 220-360 steps into
+a climb of 1.8-2.6% a step, the rate 100-600x where it began. So a creep is also trouble, with no
+warning, once it has gone well past the highest rate the run ever took and the loss has not
+improved since it began: a rise that helps shows in the loss, one past the edge does not (there
+it fired 23-69 steps in, at 2-4x the rate it rose from).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from typing import Any, Mapping
 
 RISE_HISTORY = 50
@@ -23,41 +32,97 @@ RISE_STEPS = 10
 RISE_RATIO = 1.2
 """... and it is at least this many times the rate it rose from."""
 
+BEYOND = 2.0
+"""A creep at this many times the highest learning rate the run took before it began ..."""
+
+LOSS_STEPS = 20
+"""... with the mean loss of its last this-many steps above the mean of the this-many before
+the rise by one standard error of their difference (the per-step noise read from step-to-step
+changes before the rise, robustly, so that the loss's own trend does not count as noise) is
+trouble by itself."""
+
 
 class LrTrend:
-    """``trend.push(lr)`` every step; :attr:`creeping` and :attr:`calm_lr` say where it stands.
-    State: the step count, the previous LR, how many steps in a row it rose and the rate it rose
-    from (NaN: no rise under way, or one from too early in the run to have a calm rate)."""
+    """``trend.push(lr, loss)`` every step; :attr:`creeping`, :attr:`stalled` and :attr:`calm_lr`
+    say where it stands; :attr:`held` is the policy's mark that it held this rise. State: the step count, the previous LR, how many steps in a row it rose,
+    the rate it rose from (NaN: no rise under way, or one from too early in the run to have a
+    calm rate), the highest LR taken before the rise and ever, the last ``LOSS_STEPS`` losses,
+    the loss's level and noise before the rise, and the run's first loss."""
 
     def __init__(self) -> None:
         self.seen = 0
         self.prev = math.nan
         self.rising = 0
         self.calm_lr = math.nan  # the rate the current rise began from
+        self.peak = 0.0  # the highest LR taken so far
+        self.peak_before = math.nan  # ... before the current rise began
+        self.losses: deque[float] = deque(maxlen=LOSS_STEPS)
+        self.level = (math.nan, math.nan)  # the mean loss before the rise, the standard error a change of it has
+        self.held = False  # the policy held the learning rate for this rise already
+        self.first_loss = math.nan  # the run's first finite loss: what it knew at the start
 
-    def push(self, lr: float) -> None:
+    def push(self, lr: float, loss: float = math.nan) -> None:
         if not lr == lr:
             return
         if lr > self.prev:  # (False while prev is NaN)
             if self.rising == 0:
                 self.calm_lr = self.prev if self.seen >= RISE_HISTORY and self.prev > 0.0 else math.nan
+                self.peak_before = self.peak
+                self.level = _level(self.losses) if self.calm_lr == self.calm_lr else (math.nan, math.nan)
+                self.held = False
             self.rising += 1
         else:
-            self.rising, self.calm_lr = 0, math.nan
+            self.rising, self.calm_lr, self.held = 0, math.nan, False
         self.prev = lr
+        self.peak = max(self.peak, lr)
         self.seen += 1
+        if math.isfinite(loss):
+            self.losses.append(loss)
+            if self.first_loss != self.first_loss:
+                self.first_loss = loss
 
     @property
     def creeping(self) -> bool:
         """The learning rate has risen step after step, past the rate the run trained at before."""
         return self.rising >= RISE_STEPS and self.prev >= RISE_RATIO * self.calm_lr  # (False on NaN)
 
+    @property
+    def stalled(self) -> bool:
+        """A creep ``BEYOND`` the highest rate the run took before it, with the loss worse than
+        before the rise (``LOSS_STEPS``): trouble, warned or not."""
+        mean, err = self.level
+        return (self.creeping and self.prev >= BEYOND * self.peak_before and len(self.losses) == LOSS_STEPS
+                and math.fsum(self.losses) / LOSS_STEPS > mean + err)  # (False on NaN)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": self.seen, "prev": None if self.prev != self.prev else self.prev, "rising": self.rising,
-                "calm_lr": None if self.calm_lr != self.calm_lr else self.calm_lr}
+        nan_none = lambda v: None if v != v else v  # noqa: E731
+        return {"seen": self.seen, "prev": nan_none(self.prev), "rising": self.rising, "calm_lr": nan_none(self.calm_lr),
+                "peak": self.peak, "peak_before": nan_none(self.peak_before), "losses": list(self.losses),
+                "level": [nan_none(v) for v in self.level], "held": self.held,
+                "first_loss": nan_none(self.first_loss)}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        none_nan = lambda v: math.nan if v is None else float(v)  # noqa: E731
         self.seen = int(d.get("seen", 0))
-        self.prev = math.nan if d.get("prev") is None else float(d["prev"])
+        self.prev = none_nan(d.get("prev"))
         self.rising = int(d.get("rising", 0))
-        self.calm_lr = math.nan if d.get("calm_lr") is None else float(d["calm_lr"])
+        self.calm_lr = none_nan(d.get("calm_lr"))
+        self.peak = float(d.get("peak", 0.0))
+        self.peak_before = none_nan(d.get("peak_before"))
+        self.losses = deque((float(v) for v in d.get("losses", [])), maxlen=LOSS_STEPS)
+        level = d.get("level") or (None, None)
+        self.level = (none_nan(level[0]), none_nan(level[1]))
+        self.held = bool(d.get("held", False))
+        self.first_loss = none_nan(d.get("first_loss"))
+
+
+def _level(losses: deque[float]) -> tuple[float, float]:
+    """The mean of ``losses`` and the standard error of the difference between two such means (NaN
+    until ``LOSS_STEPS`` are known)."""
+    if len(losses) < LOSS_STEPS:
+        return math.nan, math.nan
+    xs = list(losses)
+    diffs = [b - a for a, b in zip(xs, xs[1:])]
+    mid = statistics.median(diffs)
+    noise = 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2.0)  # one step's, from its changes
+    return math.fsum(xs) / LOSS_STEPS, noise * math.sqrt(2.0 / LOSS_STEPS)

@@ -1,10 +1,11 @@
 """The constants of the policy's rules for outlier gradients, each with why it has its value.
 
-An outlier gradient is either a batch's fault (skip it) or the run's own kind of step (take it,
-perhaps bounded). These name the evidence that tells them apart: a part of the model training
+An outlier gradient is either a batch's fault or the run's own kind of step; which, is mostly
+told after it, so each is taken bounded until the evidence says otherwise. These name the evidence that tells them apart: a part of the model training
 again (``IDLE_STEP_CAP``), a gradient that climbed into the outliers (``CLIMB_*``), a burst that
 outlasted the skip budget (``BURST_END_*``), an outlier the model keeps producing after a skip
-(``TRIAL_*``) and a heavy tail with the loss at its level (``TAIL_*``). Pure Python; read by
+and a heavy tail with the loss at its level (``TAIL_*``); an outlier of no kind is taken, its
+size bounded (``OUTLIER_GROWTH``). Pure Python; read by
 :class:`earlywarn.policy.Policy`.
 """
 
@@ -35,42 +36,47 @@ both the step before's and its level in the run (the geometric mean of its ratio
 does when clean batches come back; a new regime is learned down gradually."""
 
 BURST_END_LOSS = 2.0
-"""A run of outliers trained on past ``outlier_skips`` that ends in one step (``BURST_END_DROP``)
+"""A run of outliers trained on (bounded) that ends in one step (``BURST_END_DROP``)
 with the loss this many times its level before the run or more was a burst of bad batches that
 damaged the model (the model's gradient on clean batches stays elevated while it recovers):
 rewound to before it. A regime that ends so (a loss weight raised for a phase) left the model
 trained, its loss at its level. The cost: a deliberate phase of 41-100 steps of outlier-sized
 gradients after which the model has forgotten the earlier data 2x is rewound too."""
 
+BURST_END_LOST = 0.5
+"""See ``BURST_END_LOSS``: ... or with this fraction of the run's progress lost (the loss this
+far from its level before the run back to the run's first loss): a classifier's loss is bounded
+by chance, so a burst that erased what it learned can leave it under 2x its level."""
+
 BURST_END_TRAINED = 5
-"""See ``BURST_END_LOSS``: a run is judged at its end once it was trained on for this many steps.
-The first updates taken after the skips move a model that stood still for 40 steps (a part
-unfrozen meanwhile takes its first steps, Adagrad's first is lr x the sign): its gradient may
-fall at once by the run's own doing, and a burst that ends so soon did little damage."""
+"""See ``BURST_END_LOSS``: a run is judged at its end once it was trained on for this many steps
+(a part unfrozen meanwhile takes its first steps, Adagrad's first is lr x the sign: the gradient
+may fall at once by the run's own doing), and a burst that ends so soon did little damage."""
 
 BURST_END_WITHIN = 100
 """See ``BURST_END_LOSS``: runs that end within this many steps of their start (the detector's
 baselines move to a level held 100 steps: after that the ratios are no longer the run's before)."""
 
+BURST_AGAIN_NOTE = (f"a burst of bad batches was rewound within the last {BURST_END_WITHIN} steps: outliers now are "
+                    "more of it, skipped")
+"""Why an outlier is skipped after a burst's rewind (``BURST_END_WITHIN`` steps): the data is
+what went bad, and a skip leaves the model where the rewind put it."""
+
 CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
-TRIAL_AFTER = 1
-"""Outliers skipped in a row after which the next is taken, scaled to the typical norm, as a trial. A skip leaves the model as it was: an outlier that the model's own
-state produces (a spike of the run's own, a warm-up overshoot) comes back at the next batch, and
-skipping it again and again refuses the very step that heals it (skipped 40 in a row, the skip
-budget). A bad batch's outlier does not heal when taken; the model's own does: its next gradient
-is smaller (``TRIAL_FALL``). A trial that does not heal makes the skips before the next four
-times as many: a burst of 40 corrupt batches meets three trials, each a step of ordinary size."""
-
-TRIAL_FALL = 0.8
-"""See ``TRIAL_AFTER``: a trial healed when the next outlier is at most this fraction of it (or
-there is none) and the loss's excess over its level at most half of the trial's: the model's own
-spike heals in both (its loss comes back), a batch's noise moves one of them by chance (outliers
-of a phase or a burst vary 5x from batch to batch, their loss stays up). ``TRIAL_OWN`` heals in
-a row make the run of outliers the run's own."""
-
-TRIAL_OWN = 3
-"""See ``TRIAL_FALL``: from then on the run's outliers are trained on, bounded, not skipped."""
+OUTLIER_GROWTH = 1.25
+"""An outlier is taken scaled to its typical norm, and those after it in the same run to
+``outlier_clip_ratio`` typical norms -- or, under plain SGD, to this many times the bound before
+(x9 after 10 steps, x87 after 20). A bad batch does one step of ordinary size; a spike of the
+model's own heals as it does under clipping (skipped, it left the model where the spike put it and
+the next gradient was the same outlier: 40 skipped in a row). A steady bound costs an optimizer
+whose step hardly depends on the gradient's scale (Adam, Lion, Adafactor) nothing -- a loss's
+scale changed on purpose, a new stage, a phase train at full rate -- and keeps a burst of bad
+batches from inflating its second moment (grown, a 70-step burst x100 got through and the run
+ended as bare did, 81x its twin's loss). Plain SGD's step is the gradient: held at 3x, a new
+stage of 40x gradients lost 22% of its progress (``pool_switch``). A burst is told from a
+regime when it ends (``BURST_END_LOSS``); skipping its steps instead cost healthy runs that
+change their loss's scale, start a new stage or a phase 6-21% of their steps."""
 
 TAIL_LOSS = 2.5
 """An outlier gradient on a batch whose loss is under this many times its level is not a batch the
@@ -83,14 +89,14 @@ from batch to batch) -- taken, bounded to ``TAIL_BOUND`` times the largest seen,
 was followed by damage (``TAIL_DAMAGE``)."""
 
 TAIL_SEEN = 1
-"""See ``TAIL_LOSS``: such outliers skipped before the next are taken."""
+"""See ``TAIL_LOSS``: such outliers bounded as any other before the next are taken whole."""
 
 TAIL_BOUND = 4.0
 """See ``TAIL_LOSS``."""
 
 TAIL_DAMAGE = 3.0
 """See ``TAIL_LOSS``: a loss this many times its level (or non-finite, or diverged) within
-``TAIL_WATCH`` steps after one was taken: such outliers are skipped again, for the rest of the run."""
+``TAIL_WATCH`` steps after one was taken: such outliers are bounded again, for the rest of the run."""
 
 TAIL_WATCH = 3
 """See ``TAIL_DAMAGE``."""

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
 
 from earlywarn.events import Event, Kind, Level
-from earlywarn.lrtrend import LrTrend
+from earlywarn.lrtrend import LOSS_STEPS, LrTrend
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, importable from here too)
-    BURST_END_DROP, BURST_END_LOSS, BURST_END_TRAINED, BURST_END_WITHIN, CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS,
-    IDLE_NOTE, IDLE_STEP_CAP, OWN_NOTE, TAIL_BOUND, TAIL_DAMAGE, TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH,
-    TRIAL_AFTER, TRIAL_FALL, TRIAL_NOTE, TRIAL_OWN)
+    BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN, CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS,
+    IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE, TAIL_LOSS, TAIL_NOTE,
+    TAIL_SEEN, TAIL_WATCH)
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
 
@@ -56,6 +56,8 @@ class Evidence(NamedTuple):
     """The loss over its typical value (as the detector's loss channel tracks it)."""
     lr: float = math.nan
     """The learning rate the step takes."""
+    loss: float = math.nan
+    """The step's loss as reported (the learning rate's trend reads it)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class PolicyDecision:
     clip_factor: float | None = None
     """Scale this step's gradients by this before its update (a persistent outlier, clipped)."""
     clip_note: str = ""
-    """Why the step is clipped and not skipped, when it is not one more in a long run of outliers."""
+    """Why an outlier's step is clipped (or skipped), when it is not one more of a run of them."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
     lr_hold: float | None = None
@@ -108,12 +110,16 @@ _NONFINITE_KINDS = frozenset({str(Kind.NONFINITE_GRAD), str(Kind.LOSS_NONFINITE)
 
 
 class Policy:
-    """``policy.decide(step, alerts, evidence) -> PolicyDecision``. The policy's own state (cooldowns,
+    """``policy.decide(step, alerts, evidence) -> PolicyDecision``. ``scale_free``: the optimizer's
+    step hardly depends on the gradient's scale (:func:`earlywarn.capture.updates.scale_free`). The policy's own state (cooldowns,
     rate limits, the non-finite streak, the run of outliers, the latest abnormal update, the LR
     jump under watch) is declared in ``__init__`` and saved by :meth:`state_dict`."""
 
-    def __init__(self, cfg: PolicyConfig | None = None):
+    def __init__(self, cfg: PolicyConfig | None = None, *, scale_free: bool = True):
         self.cfg = cfg if cfg is not None else PolicyConfig()
+        # the optimizer's step hardly depends on the gradient's scale (Adam, not plain SGD): a run of
+        # outliers is held at outlier_clip_ratio; for plain SGD the bound grows (OUTLIER_GROWTH)
+        self.scale_free = scale_free
         if not isinstance(self.cfg, PolicyConfig):
             raise TypeError(f"Policy(cfg=...) wants a PolicyConfig, got {type(cfg).__name__}")
         self.tick = 0
@@ -125,10 +131,6 @@ class Policy:
         self.rewinds: deque[int] = deque()
         self.outliers = 0  # outliers since the gradient was last under outlier_clip_ratio x typical
         self.climb = math.nan  # in a run that climbed into the outliers: the ratio it has reached (CLIMB_GROWTH)
-        self.skips_in_row = 0  # outliers of the run skipped since the last one taken (TRIAL_AFTER)
-        self.trial = (math.nan, math.nan)  # the gradient and loss ratios of the trial just taken (NaN: none)
-        self.heals = 0  # trials in a row whose next outlier was smaller; TRIAL_OWN: the run's own
-        self.failed_trials = 0  # trials of this run that did not heal (each quadruples the skips before the next)
         # the run's heavy tail (TAIL_LOSS): outliers with the loss at its level seen, the largest, the
         # tick the latest was taken, and whether one taken was followed by damage (never again)
         self.tail_seen, self.tail_max, self.tail_taken, self.tail_revoked = 0, 0.0, None, False
@@ -137,6 +139,7 @@ class Policy:
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
         # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
         self.run_level: tuple[float, int, float] = (0.0, 0, 0.0)
+        self.burst_rewound: int | None = None  # tick of the latest rewind to before a burst (BURST_END_*)
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
@@ -170,7 +173,7 @@ class Policy:
         back, ceiling, lr_copy, hold_target, clip, clip_note = 0, None, False, False, None, ""
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
-            self.lr_trend.push(evidence.lr)
+            self.lr_trend.push(evidence.lr, evidence.loss)
         nonfinite_now = warned_now = False
         for a in alerts:
             field = _KIND_FIELD.get(a.kind)
@@ -214,17 +217,22 @@ class Policy:
                 nonfinite_now or any(a.kind is Kind.LOSS_DIVERGED for a in alerts)
                 or evidence.loss_ratio >= TAIL_DAMAGE and not any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
             self.tail_revoked = True  # taking the run's tail damaged it: such outliers are skipped again
-            reasons.append(f"outliers with the loss at its level are skipped again: the loss rose after one taken at "
+            reasons.append(f"outliers with the loss at its level are bounded again: the loss rose after one taken at "
                            f"step {self.tail_taken}")
         hold = None
-        if self.lr_trend.creeping and any(a.kind in (Kind.COLLAPSE_RISK, Kind.LOSS_DIVERGED) for a in alerts):
-            # the learning rate crept up into this: back to the rate it rose from, not the highest it took calmly
-            hold, ceiling = self.lr_trend.calm_lr, None
-            reasons.append(f"learning rate held at {hold:.3g}: it rose {self.lr_trend.rising} steps in a row to "
-                           f"{self.lr_trend.prev / hold:.3g}x the rate the run trained at before, into this warning")
+        trend = self.lr_trend
+        if trend.stalled and not trend.held:
+            # the learning rate crept up into a worse loss: back to the rate it rose from, not the
+            # highest it took calmly (a warning alone held healthy warm restarts and cycles)
+            hold, ceiling, trend.held = trend.calm_lr, None, True
+            reasons.append(f"learning rate held at {hold:.3g}: it rose {trend.rising} steps in a row to "
+                           f"{trend.prev / hold:.3g}x the rate the run trained at before "
+                           f"({trend.prev / trend.peak_before:.3g}x the highest it had taken) while the loss got worse "
+                           f"than before it began to rise (mean of the last {LOSS_STEPS} steps)")
         if self.trained_on is not None and Action.REWIND not in wanted:
             burst_back, why = self._burst_end(alerts, evidence, t)
             if burst_back:
+                self.burst_rewound = t
                 triggers.append("burst_end")
                 wanted[Action.REWIND] = why
                 back = max(back, burst_back)
@@ -252,19 +260,19 @@ class Policy:
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
             lr_hold=hold,
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
-            clip_note=clip_note if clip is not None and Action.CLIP in wanted and not restores else "")
+            clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores
+            else "")
 
     # -- the rules that read more than one alert -----------------------------------------------
     def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str]:
-        """The first ``outlier_skips`` outliers of a run are skipped, the rest clipped; those right
-        after a large update of the run's own are applied, and a run that climbed into the
-        outliers is applied with its growth bounded (-> the action, the factor the gradients are
-        scaled by, and why)."""
+        """An outlier is taken, bounded (``on_grad_outlier="clip"``), or skipped first
+        (``"skip"``); the run's own kinds of outlier have rules of their own (-> the action, the
+        factor the gradients are scaled by, and why)."""
         self.outliers += 1
         if self.outliers == 1:
             self.run_start = t
         ratio = a.values.get("ratio", math.nan)
-        if action is not Action.SKIP:  # a configured response other than the skip: as configured
+        if action not in (Action.CLIP, Action.SKIP):  # a configured response of another kind: as configured
             return action, None, ""
         if a.values.get("joined", 0.0):
             # a part of the model starts or resumes training: the run's own step; one that resumes
@@ -290,44 +298,31 @@ class Policy:
         prev = a.values.get("prev_ratio", 1.0)
         if (self.outliers == 1 and prev >= self.cfg.outlier_clip_ratio
                 and a.values.get("prev_elevated", 0.0) >= CLIMB_STEPS and ratio <= CLIMB_GROWTH * prev):
-            self.climb = prev  # the run climbed here: from now on its growth is bounded, not skipped
+            self.climb = prev  # the run climbed here: from now on its growth is bounded
         if self.climb == self.climb:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
             return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, CLIMB_NOTE)
-        bounded = self.cfg.outlier_clip_ratio / ratio if ratio == ratio and ratio > self.cfg.outlier_clip_ratio else None
-        if self.heals >= TRIAL_OWN:
-            return Action.CLIP if bounded else Action.NONE, bounded, OWN_NOTE
-        typical = 1.0 / ratio if ratio == ratio and ratio > 1.0 else None  # a trial's step: of ordinary size
-        if self.trial[0] == self.trial[0]:  # the step after a trial
-            g0, l0 = self.trial
-            loss = a.values.get("loss_ratio", math.nan)
-            if ratio <= TRIAL_FALL * g0 and loss - 1.0 <= 0.5 * (l0 - 1.0):  # (False on a NaN loss)
-                self.heals += 1
-                self.trial = (ratio, loss)
-                if self.heals >= TRIAL_OWN:
-                    return Action.CLIP if bounded else Action.NONE, bounded, OWN_NOTE
-                return Action.CLIP if typical else Action.NONE, typical, TRIAL_NOTE
-            self.trial, self.heals, self.failed_trials = (math.nan, math.nan), 0, self.failed_trials + 1
-        elif self.skips_in_row >= TRIAL_AFTER << 2 * self.failed_trials and self.outliers <= self.cfg.outlier_skips:
-            self.trial, self.skips_in_row = (ratio, a.values.get("loss_ratio", math.nan)), 0
-            return Action.CLIP if typical else Action.NONE, typical, TRIAL_NOTE
-        if self.outliers <= self.cfg.outlier_skips:
-            self.skips_in_row += 1
-            return action, None, ""
-        # Past the budget: a new regime (or a burst longer than the budget) trains on, clipped; a
-        # burst is told from a regime when it ends (see BURST_END_LOSS)
+        if self.burst_rewound is not None and t - self.burst_rewound <= BURST_END_WITHIN:
+            action = Action.SKIP  # a burst was rewound just now: more of it is the same bad data, not the run's
+        if action is Action.SKIP and self.outliers <= self.cfg.outlier_skips:
+            return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else ""
         if self.trained_on is None:
             self.trained_on = t
-        if not (ratio == ratio and ratio > self.cfg.outlier_clip_ratio):
+        # its typical norm for the first; then a steady bound costs a scale-free optimizer nothing and
+        # keeps a burst from inflating its second moment, and a plain SGD step grows with the regime
+        k = self.outliers - 1
+        bound = 1.0 if k == 0 else self.cfg.outlier_clip_ratio if self.scale_free else OUTLIER_GROWTH ** k
+        if not (ratio == ratio and ratio > bound):
             return Action.NONE, None, ""
-        return Action.CLIP, self.cfg.outlier_clip_ratio / ratio, ""
+        return Action.CLIP, bound / ratio, ""
 
     def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> tuple[int, str]:
         """A run trained on past the skip budget that ends in one step -- its gradient
         ``BURST_END_DROP`` times under its level in the run and under the step before's, and no
         outlier any more (a model that forgot data it had memorized meets it again at outlier
-        size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more, trained
+        size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more (or
+        ``BURST_END_LOST`` of the run's progress lost), trained
         on for ``BURST_END_TRAINED`` steps or more and within ``BURST_END_WITHIN`` steps of its
         start (the detector's baselines are still the run's before): a burst of bad batches that
         outlasted the budget, and damaged the model. -> (steps back to before the run, why; 0
@@ -335,7 +330,12 @@ class Policy:
         start, (logs, n, last) = self.run_start, self.run_level
         if (start is None or self.trained_on is None or t - start >= BURST_END_WITHIN
                 or t - self.trained_on < BURST_END_TRAINED or not n or not ev.grad_ratio > 0.0
-                or not ev.loss_ratio >= BURST_END_LOSS or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
+                or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
+            return 0, ""
+        # damaged: the loss a multiple of its level before the run, or half the run's progress lost
+        level, first = ev.loss / ev.loss_ratio, self.lr_trend.first_loss
+        lost = (ev.loss - level) / (first - level) if first > level > 0.0 else math.nan
+        if not (ev.loss_ratio >= BURST_END_LOSS or lost >= BURST_END_LOST):
             return 0, ""
         level = logs / n
         fell = math.log(ev.grad_ratio * BURST_END_DROP)
@@ -343,8 +343,9 @@ class Policy:
             return 0, ""
         return t - start + 1, (f"a run of {t - start} steps of outlier gradients, trained on past the skip budget, "
                                f"ended in one step (the gradient {math.exp(level) / ev.grad_ratio:.3g}x under its "
-                               f"level in the run) with the loss {ev.loss_ratio:.3g}x its level before it: a burst "
-                               "of bad batches that damaged the model")
+                               f"level in the run) with the loss {ev.loss_ratio:.3g}x its level before it"
+                               + (f", {lost:.0%} of the run's progress lost" if lost == lost else "")
+                               + ": a burst of bad batches that damaged the model")
 
     def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
         """A loss far above its level is rewound only when the run's own updates led into it: an
@@ -388,18 +389,21 @@ class Policy:
     def watching(self) -> bool:
         """A step without alerts still needs :meth:`decide`: a learning-rate jump is being watched,
         or a non-finite streak or a run of outliers is to be ended (that needs the step's gradient
-        ratio). Otherwise :meth:`calm` answers it."""
+        ratio), or a learning rate creeps up with nothing held yet (:attr:`LrTrend.stalled`).
+        Otherwise :meth:`calm` answers it."""
         return (self.probe is not None or self.nonfinite_streak != 0 or self.outliers != 0
+                or self.lr_trend.creeping and not self.lr_trend.held
                 or self.tail_taken is not None and self.tick - self.tail_taken < TAIL_WATCH and not self.tail_revoked)
 
-    def calm(self, lr: float = math.nan) -> PolicyDecision:
+    def calm(self, lr: float = math.nan, loss: float = math.nan) -> PolicyDecision:
         """:meth:`decide` of a step with no alerts and nothing skipped while nothing is
-        :attr:`watching` (most steps): the same bookkeeping and the same empty decision, without
-        building the evidence. ``lr``: the learning rate the step takes (NaN: unknown)."""
+        :attr:`watching` (most steps): the same bookkeeping and the same decision, without
+        building the evidence. ``lr``: the learning rate the step takes, ``loss`` its loss (NaN:
+        unknown)."""
         self.tick += 1
         if lr == lr:
             self.lrs.append((self.tick, lr))
-            self.lr_trend.push(lr)
+            self.lr_trend.push(lr, loss)
         return _NOTHING  # (no run of outliers to end: that is watched)
 
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
@@ -418,8 +422,9 @@ class Policy:
                 self.lrs.clear()
             return
         # (a climb's steps are the run's regime, bounded: not abnormal, not a large update to recover from)
+        # (the run's heavy tail is its own kind of step; a run taken bounded outgrew its bound: its regime)
         applied = (Kind.GRAD_OUTLIER in kinds and Action.CLIP not in actions and self.climb != self.climb
-                   and self.tail_taken != t)  # (the run's heavy tail is its own kind of step)
+                   and self.tail_taken != t and self.trained_on is None)
         if applied or self.probe is not None and self.probe[1] == t:
             self.abnormal = t  # an outlier or an LR jump applied in full: a loss that rises after it is the run's
         if applied:
@@ -429,7 +434,6 @@ class Policy:
         """No run of outliers in progress any more: every field of one back as ``__init__`` sets it."""
         self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
         self.run_level = (0.0, 0, 0.0)
-        self.skips_in_row, self.trial, self.heals, self.failed_trials = 0, (math.nan, math.nan), 0, 0
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
@@ -483,9 +487,7 @@ class Policy:
                 "rewinds": list(self.rewinds), "outliers": self.outliers,
                 "climb": None if self.climb != self.climb else self.climb,
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
-                "run_level": list(self.run_level), "skips_in_row": self.skips_in_row,
-                "trial": None if self.trial[0] != self.trial[0] else list(self.trial), "heals": self.heals,
-                "failed_trials": self.failed_trials, "tail": [self.tail_seen, self.tail_max, self.tail_taken,
+                "run_level": list(self.run_level), "burst_rewound": self.burst_rewound, "tail": [self.tail_seen, self.tail_max, self.tail_taken,
                                                               self.tail_revoked, self.tail_loss],
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict()}
@@ -503,13 +505,9 @@ class Policy:
         self.big_applied = None if d.get("big_applied") is None else int(d["big_applied"])
         self.run_start = None if d.get("run_start") is None else int(d["run_start"])
         self.trained_on = None if d.get("trained_on") is None else int(d["trained_on"])
+        self.burst_rewound = None if d.get("burst_rewound") is None else int(d["burst_rewound"])
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
-        self.skips_in_row = int(d.get("skips_in_row", 0))
-        trial = d.get("trial")
-        self.trial = (math.nan, math.nan) if trial is None else (float(trial[0]), float(trial[1]))
-        self.heals = int(d.get("heals", 0))
-        self.failed_trials = int(d.get("failed_trials", 0))
         seen, top, taken, revoked, tail_loss = d.get("tail", (0, 0.0, None, False, 0.0))
         self.tail_seen, self.tail_max, self.tail_loss = int(seen), float(top), float(tail_loss)
         self.tail_taken, self.tail_revoked = (None if taken is None else int(taken)), bool(revoked)

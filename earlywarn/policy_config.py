@@ -72,39 +72,33 @@ class PolicyConfig:
     ordinary updates before it is a change in the data (a new domain, a curriculum stage): the
     warning stands, nothing is rewound (a rewind would meet the same data again)."""
 
-    on_grad_outlier: Action | str = Action.SKIP
+    on_grad_outlier: Action | str = Action.CLIP
     """GRAD_OUTLIER (warning): a finite gradient far above its typical norm, read before its update
-    (sync mode): skip that update, parameters and optimizer state untouched, the batch quarantined
-    (Adam's second moment inflated by a 1e4x gradient would stall the run for thousands of steps).
-    Async mode reads it after its update was applied and cannot skip it."""
+    (sync mode). ``clip`` (the default): the update is taken, bounded -- the first outlier of a
+    run scaled to its typical norm, the rest to ``outlier_clip_ratio`` typical norms (plain SGD:
+    growing, ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never inflated by a 1e4x gradient
+    (which would stall the run for thousands of steps) and no batch goes untrained: a spike of the
+    model's own heals as it does under clipping, a new regime or a loss weight raised on purpose
+    trains at full rate, a bad batch takes one step of ordinary size. What tells a bad batch from
+    the run's own outlier comes after it: a run of outliers that ends in one step with the loss
+    far above its level before it was a burst of bad batches and is rewound to before it
+    (``BURST_END_LOSS``); the run's own kinds of outlier (a part unfrozen or idle trains again, a
+    climb, a heavy tail) are taken with their own bounds. ``skip``: the first ``outlier_skips`` outliers of every run are
+    skipped and quarantined, then bounded as above (measured on ``benchmarks/rescue.py``: healthy
+    runs that change their loss's scale, start a new stage or a phase lost 6-21% of their steps
+    so, and a spike of the model's own is refused every time: a skip leaves the model where the
+    spike put it). Async mode reads it after its update was applied and can do neither."""
 
     outlier_skips: int = 40
-    """Outliers of one run skipped (a burst of corrupt batches: PaLM skipped 200-500); from the next
-    one on they are clipped instead (scaled to ``outlier_clip_ratio`` times their typical norm
-    before the update): a new regime (a harder stage, every gradient large from now on) keeps
-    training while the detector's baseline moves to it; a run that then ends in one step with
-    the loss far above its level before the run was a burst that damaged the model, and is rewound
-    to before it (``BURST_END_LOSS``). A run ends at a gradient back under
-    ``outlier_clip_ratio`` times its typical norm, not at any step under the outlier ratio: in a
-    noisy new regime every few steps fall under it, and counting outliers in a row there skipped
-    nine steps in ten until the baseline moved. Outliers at which layers without a gradient get
-    one -- a part unfrozen, or a part idle for steps that trains only on some (a rarely sampled
-    task's head, an expert) -- are the run's own steps, and outliers right after an update of the
-    run's own that was that large (a part unfrozen: its first update moves the model far) are the
-    run recovering from it, not bad batches: both are applied. A run the gradient climbed into
-    over several elevated steps (a loss weight ramped up) is applied with its growth bounded
-    (``CLIMB_GROWTH``). The cost: a loop that changes its loss's scale 20x or more in one step on
-    purpose (a new reduction, a loss weight) has its first 40 steps after it skipped -- a burst of
-    bad batches looks the same while it lasts -- but for the trials below. Such a loop can pass 0
-    here: outliers are then clipped from the first, never skipped. After two skips in a row the
-    next outlier is taken at its typical norm as a trial (``TRIAL_AFTER``): a skip leaves the
-    model as it was, so a spike of the model's own comes back at every batch until a step is
-    taken; where the trial heals it (the next gradient and loss both fall) the run of outliers is
-    the run's own and trains on, bounded."""
+    """With ``on_grad_outlier="skip"``: the outliers of one run skipped (a burst of corrupt
+    batches: PaLM skipped 200-500) before the rest are bounded. A run ends at a gradient back
+    under ``outlier_clip_ratio`` times its typical norm, not at any step under the outlier ratio: in
+    a noisy new regime every few steps fall under it."""
 
     outlier_clip_ratio: float = 3.0
-    """See ``outlier_skips``: the norm, in typical norms, an outlier in a long run of them is
-    scaled to."""
+    """The norm, in typical norms, the outliers of a run after its first are scaled to (an
+    optimizer whose step hardly depends on the gradient's scale); a run of outliers ends at a
+    gradient back under it (see ``outlier_skips``)."""
 
     lr_probe_steps: int = 5
     """After an LR jump (COLLAPSE_RISK on the learning rate, a clean copy saved before its update),
@@ -185,10 +179,11 @@ class PolicyConfig:
                     setattr(self, f.name, Action.parse(getattr(self, f.name)))
                 except ValueError as e:
                     raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name)!r} is invalid: {e}") from None
-                if getattr(self, f.name) in (Action.REPAIR, Action.CLIP):
-                    raise ValueError(f"PolicyConfig.{f.name}={getattr(self, f.name).value!r} is invalid: the guard "
-                                     "decides repairs (poisoned optimizer state) and clips (a run of outliers) itself; "
-                                     "use none, checkpoint, skip, rewind or halt")
+                act = getattr(self, f.name)
+                if act is Action.REPAIR or act is Action.CLIP and f.name != "on_grad_outlier":
+                    raise ValueError(f"PolicyConfig.{f.name}={act.value!r} is invalid: the guard decides repairs "
+                                     "(poisoned optimizer state) itself, and clips only outlier gradients "
+                                     "(on_grad_outlier); use none, checkpoint, skip, rewind or halt")
         for name in ("rewind_after_nonfinite", "checkpoint_cooldown", "checkpoint_rearm",
                      "max_checkpoints", "checkpoint_window", "rewind_cooldown", "max_rewinds_per_window",
                      "rewind_window", "outlier_skips", "lr_probe_steps", "divergence_lookback", "lr_rise_settle"):

@@ -37,7 +37,7 @@ def test_defaults_map_each_alert_to_its_documented_action():
     assert p.decide(3, [ev(3, Kind.NONFINITE_GRAD)]).actions == (Action.SKIP,)
     assert p.decide(4, [ev(4, Kind.COLLAPSE_RISK)]).actions == (Action.CHECKPOINT,)
     assert p.decide(5, [ev(5, Kind.LOSS_NONFINITE)]).actions == (Action.REWIND,)
-    assert p.decide(6, [ev(6, Kind.GRAD_OUTLIER, ratio=1e4, loss_ratio=1.0, steps=1)]).actions == (Action.SKIP,)
+    assert p.decide(6, [ev(6, Kind.GRAD_OUTLIER, ratio=1e4, loss_ratio=1.0, steps=1)]).actions == (Action.CLIP,)
     # a diverged loss with nothing abnormal before it: a change in the data, no rewind
     d = p.decide(7, [ev(7, Kind.LOSS_DIVERGED, steps=8)])
     assert not d.actions and "no abnormal update and no rising learning rate before it" in d.reasons[0]
@@ -208,69 +208,79 @@ def test_action_parse_and_str():
 
 # -- the response to finite trouble (issue 20) -------------------------------------------------------
 
-def test_an_outlier_is_skipped_and_a_long_run_of_them_clipped():
+def test_an_outlier_is_taken_at_its_typical_norm_and_a_run_of_them_bounded():
+    """No batch goes untrained for a finite outlier: the first of a run is taken at its typical
+    norm, the rest at outlier_clip_ratio typical norms -- under plain SGD (its step is the
+    gradient) at OUTLIER_GROWTH x the bound before, so that a new regime trains at full size within
+    a few steps. Nothing is quarantined, nothing counts toward a rewind."""
+    from earlywarn.policy import OUTLIER_GROWTH, Evidence
+
+    out = lambda s, ratio=30.0: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=5.0, steps=1)]
+    p = Policy()  # Adam and its kin
+    ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 30)]
+    assert all(d.actions == (Action.CLIP,) for d in ds)
+    assert [d.clip_factor * 30.0 for d in ds] == pytest.approx([1.0] + [3.0] * 19)
+    assert p.nonfinite_streak == 0 and p.abnormal is None  # a bounded outlier is no abnormal update
+    p.decide(30, [], Evidence(1.0, 1.0))  # the bound starts over after an ordinary step
+    assert p.decide(31, out(31), Evidence(30.0, 5.0)).clip_factor == pytest.approx(1.0 / 30.0)
+
+    p = Policy(scale_free=False)  # plain SGD
+    ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 30)]
+    grown = [OUTLIER_GROWTH ** k for k in range(20)]
+    assert [d.clip_factor * 30.0 for d, g in zip(ds, grown) if g < 30.0] == pytest.approx([g for g in grown if g < 30.0])
+    assert all(not d.actions for d, g in zip(ds, grown) if g >= 30.0)  # past its size: taken whole
+    assert p.abnormal is None  # the run's regime, bound outgrown: still no abnormal update
+
+
+def test_on_grad_outlier_skip_skips_the_first_outlier_skips_of_a_run_then_bounds_the_rest():
     from earlywarn.policy import Evidence
 
-    p = Policy(PolicyConfig(outlier_skips=3))
-    out = lambda s, ratio=30.0: [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=5.0, steps=1)]
+    p = Policy(PolicyConfig(on_grad_outlier="skip", outlier_skips=3))
+    out = lambda s: [ev(s, Kind.GRAD_OUTLIER, ratio=30.0, loss_ratio=5.0, steps=1)]
     ds = [p.decide(s, out(s), Evidence(30.0, 5.0)) for s in range(10, 16)]
-    # a skip, a trial (the same outlier came back: does taking it heal it?), a skip (it did not), and
-    # past the budget of three the rest are scaled to 3x their typical norm (a new regime keeps training)
-    assert ds[0].actions == ds[2].actions == (Action.SKIP,)
-    assert ds[1].actions == (Action.CLIP,) and "to see whether it heals" in ds[1].clip_note
-    assert ds[1].clip_factor == pytest.approx(1.0 / 30.0)  # a trial is a step of ordinary size
-    assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 30.0) for d in ds[3:])
-    assert p.nonfinite_streak == 0  # outliers are no non-finite streak: nothing to rewind
-    assert p.abnormal is None  # a clipped outlier is no abnormal update
-    # the count starts over after an ordinary step
-    p.decide(16, [], Evidence(1.0, 1.0))
-    assert p.decide(17, out(17), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
-    # a burst of 40 corrupt batches is skipped by default but for three trials, each after four times
-    # the skips before the one before (none heals: a corrupt batch's outlier does not)
-    p = Policy()
-    acts = [p.decide(s, out(s), Evidence(30.0, 5.0)).actions for s in range(100, 140)]
-    assert [i for i, a in enumerate(acts, 1) if a != (Action.SKIP,)] == [2, 7, 24]
-    assert acts[1] == acts[6] == acts[23] == (Action.CLIP,)
+    assert [d.actions for d in ds[:3]] == [(Action.SKIP,)] * 3
+    assert all(d.actions == (Action.CLIP,) for d in ds[3:]) and ds[3].clip_factor == pytest.approx(3.0 / 30.0)
+    with pytest.raises(ValueError, match="on_loss_diverged='clip'.*only outlier gradients"):
+        PolicyConfig(on_loss_diverged="clip")
 
 
 def test_a_run_of_outliers_ends_when_the_gradient_is_back_near_its_typical_norm():
     """A noisy new regime: outliers (>= 20x) with steps of 5-15x between them. Those steps are
-    applied and do not end the run (counting in a row skipped most of such a regime until the
-    detector's baseline moved); a gradient back under ``outlier_clip_ratio`` x typical does."""
+    applied and do not end the run; a gradient back under
+    ``outlier_clip_ratio`` x typical does."""
     from earlywarn.policy import Evidence
 
-    p = Policy(PolicyConfig(outlier_skips=4))
+    p = Policy()
     assert not p.watching
     out = lambda s: [ev(s, Kind.GRAD_OUTLIER, ratio=30.0, loss_ratio=5.0, steps=1)]
-    got = []
+    factors = []
     for s in range(10, 22):
         if s % 2:  # elevated, under the outlier ratio: no alert, applied as it is
             assert p.watching  # a run is under way: the step's ratio decides whether it ends
-            d = p.decide(s, [], Evidence(8.0, 5.0))
+            assert not p.decide(s, [], Evidence(8.0, 5.0)).actions
         else:
-            d = p.decide(s, out(s), Evidence(30.0, 5.0))
-        got.append(d.actions)
-    # (the second outlier, the same after a skip, is a trial that does not heal; past the budget of 4, clipped)
-    assert got == [(Action.SKIP,), (), (Action.CLIP,), (), (Action.SKIP,), (), (Action.SKIP,), (),
-                   (Action.CLIP,), (), (Action.CLIP,), ()]
-    # back near its typical norm: the run is over, the next outlier is a new one and is skipped
+            factors.append(p.decide(s, out(s), Evidence(30.0, 5.0)).clip_factor * 30.0)
+    assert factors == pytest.approx([1.0] + [3.0] * 5)
+    # back near its typical norm: the run is over, the next outlier starts a new one at its typical norm
     assert not p.decide(22, [], Evidence(1.5, 1.0)).actions and not p.watching
-    assert p.decide(23, out(23), Evidence(30.0, 5.0)).actions == (Action.SKIP,)
+    assert p.decide(23, out(23), Evidence(30.0, 5.0)).clip_factor == pytest.approx(1.0 / 30.0)
     # the count is part of the policy's state (a resumed run goes on with it)
-    q = Policy(PolicyConfig(outlier_skips=4))
+    q = Policy()
     q.load_state_dict(p.state_dict())
     assert q.watching and q.outliers == 1
 
 
-def test_outlier_skips_0_clips_outliers_from_the_first():
-    # a loop that changes its loss's scale on purpose: its gradients become outliers, and with
-    # outlier_skips=0 not one of its steps is lost -- each is scaled to outlier_clip_ratio x typical
+def test_lone_outliers_with_the_loss_far_up_are_each_taken_at_their_typical_norm():
+    """Lone outliers whose loss is far up: a bad shard's corrupt batches, or a rarely drawn hard
+    task through a shared head -- nothing tells them apart when they come, and a skipped one is
+    never learned from. Each is taken at its typical norm: a bad batch does one ordinary step."""
     from earlywarn.policy import Evidence
 
-    p = Policy(PolicyConfig(outlier_skips=0))
-    for s, ratio in ((10, 64.0), (11, 40.0), (12, 80.0)):
-        d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=60.0, steps=1)], Evidence(ratio, 60.0))
-        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / ratio)
+    p = Policy()
+    for s in range(10, 200, 15):
+        d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=60.0, loss_ratio=40.0, steps=1)], Evidence(60.0, 40.0))
+        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / 60.0)
+        assert not p.decide(s + 1, [], Evidence(1.0, 1.0)).actions
 
 
 def test_outliers_right_after_a_large_update_of_the_runs_own_are_applied():
@@ -424,10 +434,10 @@ def test_calm_is_decide_of_a_step_without_alerts_while_nothing_is_watched():
 
 def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bounded():
     """A loss weight ramped up (KL annealing): the gradient was elevated for steps and the first
-    outlier is at most CLIMB_GROWTH times the step before -- applied, not skipped; a 1e4x batch
+    outlier is at most CLIMB_GROWTH times the step before -- applied as it is; a 1e4x batch
     inside the climb is scaled to CLIMB_GROWTH times the scale reached; the climb's steps are not
     abnormal updates (a loss that stays up after them is not rewound). A burst that jumps from an
-    ordinary step, or from one elevated step, is skipped as before."""
+    ordinary step, or from one elevated step, is bounded from its typical norm."""
     from earlywarn.policy import CLIMB_GROWTH, Evidence
 
     def out(s, ratio, prev, elevated):
@@ -449,35 +459,34 @@ def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bo
     assert q.climb == p.climb == 60.0
 
     # a jump from an ordinary step (a burst of corrupt batches), or from one noisy elevated step,
-    # or more than CLIMB_GROWTH above a climb: skipped
+    # or more than CLIMB_GROWTH above a climb: no climb, bounded from its typical norm
     for prev, elevated, ratio in ((1.0, 0, 25.0), (8.0, 1, 25.0), (8.0, 5, 30.0)):
         p = Policy()
-        assert p.decide(100, out(100, ratio, prev, elevated), Evidence(ratio, ratio)).actions == (Action.SKIP,)
-        d = p.decide(101, out(101, ratio, ratio, elevated + 1), Evidence(ratio, ratio))  # the same again: a trial
-        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / ratio)
+        d = p.decide(100, out(100, ratio, prev, elevated), Evidence(ratio, ratio))
+        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / ratio) and p.climb != p.climb
     # a climb ends where the gradient is back under outlier_clip_ratio typical norms
     p = Policy()
     p.decide(100, out(100, 21.0, 15.0, 6), Evidence(21.0, 21.0))
     p.decide(101, [], Evidence(1.5, 1.0))
     assert p.climb != p.climb
-    assert p.decide(102, out(102, 25.0, 1.0, 0), Evidence(25.0, 1.0)).actions == (Action.SKIP,)
+    assert p.decide(102, out(102, 25.0, 1.0, 0), Evidence(25.0, 1.0)).clip_factor == pytest.approx(1.0 / 25.0)
 
 
-def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_damaged_the_model():
-    """A run of outliers past ``outlier_skips`` trains on, clipped. If it then ends in one step
-    (from >= BURST_END_DROP x the clip ratio to under it) with the loss BURST_END_LOSS x its level
-    before the run, it was a burst of bad batches that damaged the model: rewound to before its
-    first outlier. A run that ends with the loss at its level (a loss weight raised for a phase), a
-    regime learned down gradually, or one that outlasts the detector's baselines is not."""
+def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model():
+    """A run of outliers trains on, bounded. If it then ends in one step (from >= BURST_END_DROP x
+    the clip ratio to under it) with the loss BURST_END_LOSS x its level before the run, it was a
+    burst of bad batches that damaged the model: rewound to before its first outlier. A run that
+    ends with the loss at its level (a loss weight raised for a phase), a regime learned down
+    gradually, or one that outlasts the detector's baselines is not."""
     from earlywarn.policy import BURST_END_WITHIN, Evidence
 
     def run(p, length=10, ratio=40.0):
         for s in range(100, 100 + length):
             d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
-            assert d.actions == ((Action.SKIP,) if s in (100, 102) else (Action.CLIP,))  # (101: a trial)
+            assert d.actions == (Action.CLIP,)
         return 100 + length
 
-    p = Policy(PolicyConfig(outlier_skips=3))
+    p = Policy()
     end = run(p)
     d = p.decide(end, [], Evidence(0.8, 3.0))  # the next batch is clean again: the model is worse on it
     assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("burst_end",)
@@ -485,9 +494,9 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
     assert "ended in one step" in d.reasons[0] and not p.watching
 
     # the policy's state carries a run in progress across a resume
-    p = Policy(PolicyConfig(outlier_skips=3))
+    p = Policy()
     end = run(p)
-    q = Policy(PolicyConfig(outlier_skips=3))
+    q = Policy()
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.decide(end, [], Evidence(0.8, 3.0)).actions == (Action.REWIND,)
 
@@ -497,12 +506,13 @@ def test_a_burst_that_outlasted_the_skip_budget_is_rewound_when_it_ends_having_d
         dict(end=Evidence(0.8, 3.0), before=[Evidence(r, 3.0) for r in (25.0, 12.0, 6.0, 3.5)]),  # learned down
         dict(end=Evidence(2.0, 3.0), before=[Evidence(r, 3.0) for r in (40.0, 9.0)]),  # over two steps
         dict(end=Evidence(21.0, 1e5), outlier=True),  # memorized data met again, forgotten: still an outlier
-        dict(end=Evidence(0.8, 3.0), length=5),  # two steps trained on: the run's own first updates moved it
-        dict(end=Evidence(0.8, 3.0), skips=10),  # never trained on: all of it was skipped
-        dict(end=Evidence(0.8, 3.0), length=BURST_END_WITHIN + 1, skips=3),  # the baselines moved meanwhile
+        dict(end=Evidence(0.8, 3.0), length=4),  # four steps trained on: the run's own first updates moved it
+        dict(end=Evidence(0.8, 3.0), length=10, skips=10),  # never trained on: all of it was skipped
+        dict(end=Evidence(0.8, 3.0), length=BURST_END_WITHIN + 1),  # the baselines moved meanwhile
     ]
     for case in not_a_burst:
-        p = Policy(PolicyConfig(outlier_skips=case.get("skips", 3)))
+        skips = case.get("skips")
+        p = Policy(PolicyConfig(on_grad_outlier="skip", outlier_skips=skips) if skips else None)
         length = case.get("length", 10)
         for s in range(100, 100 + length):
             p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], Evidence(40.0, 50.0))
@@ -546,46 +556,6 @@ def test_a_learning_rate_the_run_took_calmly_for_steps_did_not_lead_into_a_loss_
 
 # -- trouble the run makes itself (issue 48) ---------------------------------------------------------
 
-def test_an_outlier_the_model_keeps_producing_is_taken_as_a_trial_and_trained_on_once_it_heals():
-    """A skip leaves the model as it was, so a spike of the model's own comes back at the next batch.
-    After two skips the next is taken at its typical norm; its gradient and loss falling after each
-    step taken makes the run of outliers the run's own: trained on, bounded, never skipped again."""
-    from earlywarn.policy import TRIAL_OWN, Evidence
-
-    p = Policy()
-    out = lambda s, r, l: ([ev(s, Kind.GRAD_OUTLIER, ratio=r, loss_ratio=l, steps=1)], Evidence(r, l))
-    seq = [(60.0, 4.0), (60.0, 4.0), (40.0, 2.2), (30.0, 1.5), (24.0, 1.2), (26.0, 1.3), (25.0, 1.25)]
-    ds = [p.decide(s, *out(s, r, l)) for s, (r, l) in enumerate(seq, 100)]
-    assert ds[0].actions == (Action.SKIP,)
-    # the trial and the heals before TRIAL_OWN: steps of ordinary size
-    assert all(d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / r)
-               for d, (r, _) in zip(ds[1:1 + TRIAL_OWN], seq[1:]))
-    # the run's own from then on: bounded to outlier_clip_ratio x typical, even where it does not fall
-    own = ds[1 + TRIAL_OWN:]
-    assert own and all(d.actions == (Action.CLIP,) and "the run's own spike" in d.clip_note for d in own)
-    assert all(d.clip_factor == pytest.approx(3.0 / r) for d, (r, _) in zip(own, seq[1 + TRIAL_OWN:]))
-    # back near its typical norm: over, and state carried across a resume
-    assert not p.decide(108, [], Evidence(1.2, 1.0)).actions and not p.watching
-    q = Policy()
-    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
-    assert q.state_dict() == p.state_dict()
-
-
-def test_a_trial_whose_loss_stays_up_does_not_heal_and_the_skips_go_on():
-    """A bad batch's outlier does not heal when taken: the next (corrupt) batch is as bad, or its
-    gradient smaller by chance while its loss stays up. The skips go on, four times as many before
-    the next trial."""
-    from earlywarn.policy import Evidence
-
-    p = Policy()
-    seq = [(60.0, 40.0), (55.0, 38.0), (70.0, 45.0), (40.0, 42.0)] + [(50.0, 40.0)] * 9
-    acts = [p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=r, loss_ratio=l, steps=1)], Evidence(r, l)).actions
-            for s, (r, l) in enumerate(seq, 100)]
-    # the trial (2nd); the 3rd's gradient lower but its loss not, the 4th's gradient 40/70 lower and
-    # its loss not: no heal; four skips; the next trial
-    assert acts == [(Action.SKIP,), (Action.CLIP,)] + [(Action.SKIP,)] * 4 + [(Action.CLIP,)] + [(Action.SKIP,)] * 6
-
-
 def _lrs(p: Policy, lrs, alerts_at=None, start=0):
     from earlywarn.policy import Evidence
     out = {}
@@ -596,21 +566,24 @@ def _lrs(p: Policy, lrs, alerts_at=None, start=0):
     return out
 
 
-def test_a_learning_rate_creeping_up_is_held_at_the_rate_it_rose_from_when_a_warning_comes():
-    """A schedule bug multiplying the LR by 1.02 a step from step 100: the warning at step 150 (the
-    LR 2.7x) holds it at the rate the run trained at before the rise, not the highest it took."""
-    base = [1e-3 * (1.0 - 0.002 * s) for s in range(100)]  # a slow decay, then the creep
+def test_a_learning_rate_creeping_up_is_not_held_on_a_warning_alone():
+    """A rise after a calm stretch with warnings on it but the loss still improving: the warnings
+    alone hold nothing (they held healthy warm restarts and cycles on rescue.py's rewarm and
+    lr_cycle families); the loss getting worse is what holds it (next test)."""
+    import random
+
+    rng = random.Random(4)
+    base = [1e-3 * (1.0 - 0.002 * s) for s in range(100)]  # a slow decay, then the rise
     creep = [base[-1] * 1.02 ** k for k in range(1, 60)]
+    lrs = base + creep
+    losses = [3.0 - 0.005 * s + rng.gauss(0.0, 0.05) for s in range(len(lrs))]
+    from earlywarn.policy import Evidence
     p = Policy()
-    ds = _lrs(p, base + creep, alerts_at={150})
-    held = ds[150]
-    assert held.lr_hold == pytest.approx(base[-1]) and Action.REWIND not in held.actions
-    assert any("learning rate held at" in r and "rose 51 steps in a row" in r for r in held.reasons)
-    assert all(d.lr_hold is None for s, d in ds.items() if s != 150)
-    # the trend is part of the policy's state
-    q = Policy()
-    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
-    assert q.lr_trend.state_dict() == p.lr_trend.state_dict()
+    for s, (lr, loss) in enumerate(zip(lrs, losses)):
+        alerts = [ev(s, Kind.COLLAPSE_RISK)] if s in (130, 150) else []
+        d = p.decide(s, alerts, Evidence(1.0, 1.0, lr, loss)) if alerts or p.watching else p.calm(lr, loss)
+        assert d.lr_hold is None, s
+    assert p.lr_trend.creeping
 
 
 def test_a_warm_up_a_one_cycle_ramp_and_a_restart_are_no_creep():
@@ -627,12 +600,58 @@ def test_a_warm_up_a_one_cycle_ramp_and_a_restart_are_no_creep():
     assert all(d.lr_hold is None for d in _lrs(Policy(), small, alerts_at={150}).values())
 
 
+def _lrs_losses(p: Policy, lrs, losses):
+    """Every step through the guard's own choice: decide while the policy is watching, else calm."""
+    from earlywarn.policy import Evidence
+    return {s: (p.decide(s, [], Evidence(1.0, 1.0, lr, loss)) if p.watching else p.calm(lr, loss))
+            for s, (lr, loss) in enumerate(zip(lrs, losses))}
+
+
+def test_a_creep_past_twice_the_highest_rate_with_the_loss_worse_is_held_with_no_warning():
+    """A schedule bug's climb (x1.02 a step from step 100) while the loss gets worse: held at
+    the rate it rose from once the LR is 2x the highest the run took, without waiting for the
+    detector's warnings (they come hundreds of steps later, the run damaged). Once for the rise."""
+    import random
+
+    from earlywarn.lrtrend import BEYOND
+
+    rng = random.Random(3)
+    lrs = [1e-3] * 100 + [1e-3 * 1.02 ** k for k in range(1, 120)]
+    # improves, then worsens slowly (0.1x its noise a step) as the rate climbs
+    losses = [2.5 - 0.002 * min(s, 100) + 0.01 * max(0, s - 100) + rng.gauss(0.0, 0.1) for s in range(len(lrs))]
+    p = Policy()
+    ds = _lrs_losses(p, lrs, losses)
+    held = [s for s, d in ds.items() if d.lr_hold is not None]
+    first = min(s for s in range(len(lrs)) if lrs[s] >= BEYOND * 1e-3)
+    assert len(held) == 1 and first <= held[0] <= first + 20 and lrs[held[0]] < 3e-3, (held, first)
+    assert ds[held[0]].lr_hold == pytest.approx(1e-3) and not ds[held[0]].actions
+    assert any("while the loss got worse than before it began to rise" in r for r in ds[held[0]].reasons)
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.lr_trend.state_dict() == p.lr_trend.state_dict()
+
+
+def test_a_rise_the_loss_gains_from_and_a_rise_to_rates_the_run_took_before_are_not_held():
+    """A re-warm-up after a calm stretch (continued training: 10x in 150 steps) whose loss keeps
+    improving, and a cyclic schedule's later cycles (back to rates it took before), rise step
+    after step too: they hold nothing, whatever the loss does in the cycles."""
+    import random
+
+    rng = random.Random(5)
+    rewarm = [1e-4] * 120 + [1e-4 * 10 ** min(1.0, k / 150) for k in range(1, 200)]
+    losses = [3.0 - 0.004 * s + rng.gauss(0.0, 0.1) for s in range(len(rewarm))]
+    assert all(d.lr_hold is None for d in _lrs_losses(Policy(), rewarm, losses).values())
+    tri = [1e-4 + 9e-4 * (1.0 - abs((s % 100) / 50.0 - 1.0)) for s in range(600)]  # triangular, period 100
+    flat = [2.0 + rng.gauss(0.0, 0.1) for _ in tri]
+    assert all(d.lr_hold is None for d in _lrs_losses(Policy(), tri, flat).values())
+
+
 def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_once_seen():
     """A policy gradient's rare rewards: isolated outliers thousands of times the typical norm, the
-    loss near its level. The first is skipped (a gradient corrupted after the loss looks the same,
-    once); from the second on they are taken, bounded to TAIL_BOUND x the largest seen. Corrupt
-    data raises the loss with the gradient: skipped as ever. A tail outlier followed by damage to
-    the loss ends the rule for the run."""
+    loss near its level. The first is taken at its typical norm (a gradient corrupted after the
+    loss looks the same, once); from the second on they are taken, bounded to TAIL_BOUND x the
+    largest seen. Corrupt data raises the loss with the gradient: bounded as any outlier. A tail
+    outlier followed by damage to the loss ends the rule for the run."""
     from earlywarn.policy import TAIL_BOUND, Evidence
 
     def step(p, s, ratio=None, loss=1.0):
@@ -641,7 +660,8 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
         return p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=loss, steps=1)], Evidence(ratio, loss))
 
     p = Policy()
-    assert step(p, 10, 5000.0, 1.4).actions == (Action.SKIP,)  # the first: skipped
+    d = step(p, 10, 5000.0, 1.4)
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / 5000.0)  # the first: bounded
     step(p, 11)
     d = step(p, 20, 6000.0, 0.8)
     assert not d.actions and p.tail_taken == p.tick  # the run's own tail: taken as it is
@@ -653,17 +673,15 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
     assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(TAIL_BOUND * 6000.0 / 1e6)
     assert "heavy tail" in d.clip_note
     step(p, 41)
-    assert step(p, 50, 80.0, 40.0).actions == (Action.SKIP,)  # corrupt data: the loss far up with it
+    d = step(p, 50, 80.0, 40.0)  # corrupt data: the loss far up with it
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / 80.0)
     step(p, 51)
     assert p.abnormal is None  # the tail's steps are the run's own, no abnormal update
     q = Policy()
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.state_dict() == p.state_dict()
-    # taken, then the loss far above its level on the next ordinary step: skipped again from then on
+    # taken, then the loss far above its level on the next ordinary step: bounded again from then on
     assert not step(p, 60, 5000.0, 1.0).actions
     d = step(p, 61, loss=4.0)
-    assert p.tail_revoked and any("skipped again" in r for r in d.reasons)
-    assert step(p, 70, 5000.0, 1.0).actions == (Action.SKIP,)
-    # one huge gradient with the loss at its level (a bad reduction), in a run without a tail: skipped
-    assert Policy().decide(5, [ev(5, Kind.GRAD_OUTLIER, ratio=1e5, loss_ratio=1.0, steps=1)],
-                           Evidence(1e5, 1.0)).actions == (Action.SKIP,)
+    assert p.tail_revoked and any("bounded again" in r for r in d.reasons)
+    assert step(p, 70, 5000.0, 1.0).clip_factor == pytest.approx(1.0 / 5000.0)

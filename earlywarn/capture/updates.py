@@ -40,3 +40,12 @@ def learning_rate(optimizer: torch.optim.Optimizer, *, read_device: bool = False
         if math.isfinite(lr) and lr >= 0.0 and (best is None or lr > best):
             best = lr
     return best
+
+
+def scale_free(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step hardly depends on the gradient's scale: Adam and its kin divide
+    by a running second moment, Lion and Rprop take signs, Adafactor and Muon normalize -- a gradient
+    clipped by a steady factor trains as fast. Plain SGD and ASGD step by the gradient itself (so
+    do SGD variants of other libraries, told by name): a clipped gradient is a smaller step."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # a wrapper (accelerate's, Lightning's) holds the real one
+    return not (isinstance(opt, (torch.optim.SGD, torch.optim.ASGD)) or "sgd" in type(opt).__name__.lower())

@@ -116,12 +116,13 @@ class Judge:
         state_finite = None if scan is None else not (scan.weights_poisoned or scan.state_poisoned)
         repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
         lr = obs.extras.get("lr", math.nan)
+        loss = math.nan if obs.loss is None else obs.loss
         if alerts or overflow or scan is not None or self.policy.watching:
-            policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr),
+            policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr, loss),
                                         state_finite=state_finite, skipped=overflow, repairable=repairable,
                                         unrepaired=_left(left))
         else:
-            policy = self.policy.calm(lr)  # most steps: nothing to decide, no evidence to build
+            policy = self.policy.calm(lr, loss)  # most steps: nothing to decide, no evidence to build
         # async: a policy SKIP cannot be honoured, the update was queued before it was judged
         wanted = Action.SKIP in policy and not self._late or loss_bad and not self._late
         skip = nonfinite or overflow or wanted or Action.REPAIR in policy or left is not None

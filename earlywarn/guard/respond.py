@@ -107,21 +107,22 @@ class Responses:
 
     # -- a clipped step -------------------------------------------------------------------------------
     def clip(self, decision: Decision, tag: StepTag) -> None:
-        """An outlier in a long run of them, or a large one where an idle part trains again: its
-        gradients are scaled down before the update."""
+        """An outlier gradient taken bounded: scaled down before the update."""
         factor = decision.policy.clip_factor
         if not self._dry:
             self.statistics.scale_gradients(factor)
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
+        nth = int(out.values.get("steps", 1.0)) if out is not None else 1
+        why = decision.policy.clip_note or (
+            "taken at its typical norm: a bad batch does one ordinary step, a spike of the run's own heals"
+            if nth == 1 else f"the {_ordinal(nth)} in a row, its bound growing while the run lasts (a new regime "
+                             "trains at full size within a few steps; a burst is judged when it ends)")
         self._emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
-            message=(f"outlier gradient ({ratio:.3g}x its typical norm), "
-                     f"{decision.policy.clip_note or 'one more in a long run of them'}: scaled by {factor:.3g} "
-                     f"to {ratio * factor:.3g}x its typical norm before the update"
-                     + ("" if decision.policy.clip_note else " (a long burst of bad batches does bounded damage; a "
-                        "new regime keeps training while the baseline moves to it)")),
+            message=(f"outlier gradient ({ratio:.3g}x its typical norm), {why}: scaled by {factor:.3g} "
+                     f"to {ratio * factor:.3g}x its typical norm before the update"),
             values={"clip_factor": factor, "ratio": ratio}, batch=_batch_index(tag)))
 
     # -- a skipped step -------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class Responses:
             out = decision.outlier
             where = f" in {out.layers[0]!r} (first to move)" if out.layers else ""
             what = (f"outlier gradient{where}: norm {obs.grad_norm:.3g}, {out.values.get('ratio', math.nan):.3g}x "
-                    "its typical norm")
+                    "its typical norm" + (f", {decision.policy.clip_note}" if decision.policy.clip_note else ""))
         elif self.recovery.unrepaired is not None:  # a rewind the policy did not grant yet
             what = f"optimizer state a repair left non-finite ({self.recovery.unrepaired.after.summary()}), no rewind yet"
         elif decision.overflow:
@@ -248,12 +249,13 @@ class Responses:
         how = f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump else ""
         how += " while the loop's learning rate stays above it"
         if decision.policy.lr_hold is not None:
-            what, rate = "it crept up, step after step", "the rate the run trained at before it began to rise"
+            why = next((r.split(": ", 1)[1] for r in decision.policy.reasons if r.startswith("learning rate held at")), "")
+            what, rate = f"it crept up, step after step: {why}", "the rate the run trained at before it began to rise"
         else:
             what, rate = ("a jump" if jump else "a rise"), "the highest it had run at calmly"
         self._emit(Event(
             step=tag.run_step, kind=Kind.LR_HOLD, level=Level.WARNING, signal="lr_ceiling",
-            message=(f"the learning rate led the run into this ({what}): "
+            message=(f"the learning rate led the run into trouble ({what}): "
                      f"earlywarn steps at no more than {ceiling:.3g} ({rate}){how}"),
             values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
 
@@ -307,3 +309,7 @@ def _reason(decision: Decision) -> str:
 def _batch_index(tag: StepTag) -> int | None:
     # `batch` is the recovery layer's BatchRef, or None without a restorable loader.
     return None if tag.batch is None else tag.batch.batch_index
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"

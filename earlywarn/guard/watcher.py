@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from earlywarn.capture.grouping import build_layer_map
+from earlywarn.capture.updates import scale_free
 from earlywarn.detect import StreamingDetector
 from earlywarn.guard.config import OPTION_NAMES, WatchConfig
 from earlywarn.guard.episode import Episode
@@ -70,7 +71,7 @@ class Watcher:
                                          world_size=torch.distributed.get_world_size() if dist else 1,
                                          state_check_every=check_every(optimizer, recovery_cfg.state_check_every))
         self.detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
-        self.policy = Policy(config.policy or PolicyConfig())
+        self.policy = Policy(config.policy or PolicyConfig(), scale_free=scale_free(optimizer))
         if self.mode == "async":
             _warn_unskippable(self.policy.cfg)
         self.telemetry = Telemetry(RunClock(), layer_map.layer_names, config.metrics or MetricsConfig(),
