@@ -31,6 +31,8 @@ sys.path.insert(0, HERE)
 from natural_run import METHODS, OPTIMIZER_PEERS, REFERENCES, run_one  # noqa: E402
 from rescue_harness import ROOT, _hash_files, _zclip_version, earlywarn_hash  # noqa: E402
 
+from earlywarn.events import ALERT_KINDS  # noqa: E402
+
 CACHE = os.path.join(HERE, ".cache", "natural")
 PNG = os.path.join(ROOT, "docs", "img", "natural.png")
 HARNESS_FILES = ("natural_models.py", "natural_run.py", "rescue_peers.py", "rescue_tasks.py", "rescue_harness.py")
@@ -50,20 +52,23 @@ OPT = {"name": "adamw", "betas": [0.9, 0.95], "wd": 0.1}
 # appear as the LR climbs), which leaves a warning something to lead
 SCHED = {"kind": "cosine", "warmup": 0.25, "floor": 0.1}
 
-TRAINS_KEPT, DIVERGES_KEPT = 0.95, 0.5
+# trains: within 10% of the best run's progress (the ViT's best-rate seeds alone spread over 7% of it)
+TRAINS_KEPT, DIVERGES_KEPT = 0.9, 0.5
 SMOOTH = 20  # steps in the causal mean of the train loss
 DEGRADE_FROM = SMOOTH  # the first step with a full mean; the signal study's reference step
 DEGRADE_RATIO = 1.10  # "the loss degrades": 10% above the best rate's bare run, same seed, same step
 SPIKE_SIGMA, SPIKE_WINDOW, SPIKE_MIN = 7.0, 1000, 20
 MECHANISM_WORDS = ("attention", "logit")
 WARN_LEVELS = ("warning", "critical")
+ALERTS = {str(k) for k in ALERT_KINDS}
 DEFINITIONS = f"""\
 Definitions
   E = eval cross-entropy on the model's fixed held-out set at the end (E0: at initialisation),
   median over seeds [min-max]. The best rate (per model) is the rate whose bare median E is lowest
   (E_best); kept = (E0 - E) / (E0 - E_best). A (model, rate) trains when bare's median E keeps
   >= {TRAINS_KEPT}, diverges when it keeps < {DIVERGES_KEPT} or is non-finite, else degrades; its seeds'
-  runs are its settings (unstable: degrades or diverges).
+  runs are its settings (unstable: degrades or diverges; the checks count an unstable rate's runs
+  whose train loss degrades, defined below).
   LR sensitivity (Wortsman et al. 2023) per method = mean over the sweep's rates of
   [min(E(rate), E0) - min over the sweep of E], E the method's median over seeds (non-finite: E0).
   Spike score (OLMo 2) of a series = % of its steps t >= {SPIKE_MIN} whose value is >= {SPIKE_SIGMA:g} std
@@ -72,11 +77,13 @@ Definitions
   skip% = updates a method skipped / steps run (median over seeds).
   Smoothed train loss L(t) = mean of the last {SMOOTH} steps' train cross-entropy (non-finite: inf).
   The loss degrades at the first step t >= {DEGRADE_FROM} where bare's L(t) > {DEGRADE_RATIO} x L_best(t), L_best
-  the best rate's bare run of the same seed; lead = degrade step - earlywarn's first event at level
-  WARNING or worse in the same seed (before it acts, earlywarn's run is bare's, bit for bit).
+  the best rate's bare run of the same seed; a warning = a detector alert ({', '.join(sorted(str(k) for k in ALERT_KINDS))})
+  at level WARNING or worse (its skip / quarantine / checkpoint events are responses, not counted);
+  lead = degrade step - earlywarn's first warning in the same seed (until it acts, earlywarn's run
+  is bare's, bit for bit).
   Names the layer: the event's layers are not empty; names the mechanism: its message says
   {' or '.join(repr(w) for w in MECHANISM_WORDS)} (attention-logit growth, output-logit divergence).
-  Warnings / 1k steps: earlywarn's events at WARNING or worse per 1,000 steps run."""
+  Warnings / 1k steps: earlywarn's warnings per 1,000 steps run."""
 
 
 # ---------------------------------------------------------------- configs and running
@@ -216,7 +223,7 @@ def lr_sensitivity(es: list[float], e0: float) -> float:
 
 
 def warnings_of(res: dict) -> list[dict]:
-    return [e for e in res.get("events", []) if e["level"] in WARN_LEVELS]
+    return [e for e in res.get("events", []) if e["level"] in WARN_LEVELS and e["kind"] in ALERTS]
 
 
 def names_mechanism(e: dict) -> bool:
@@ -288,7 +295,7 @@ def sweep_table(sw: Sweep) -> str:
         rows.append([f"{lr:g}", f"{lr / sw.best:g}x", _spread(bare), sw.kind[lr],
                      " ".join("-" if d is None else str(d) for d in degr) if lr != sw.best else "(best)",
                      _f(median(attn), ".3g")])
-    return _table([f"{sw.model}: rate", "x best", "bare E [min-max]", "class", "degrade step per seed",
+    return _table([f"{sw.model}: rate", "x best", "bare E [min-max]", "class", "10% behind the best at step (per seed)",
                    "max attention logit (median)"], rows)
 
 
@@ -375,26 +382,28 @@ def checks(sweeps: list[Sweep]) -> list[str]:
     out.append(f"[{'met' if not fails and n else 'NOT MET'}] where bare degrades or diverges ({n} model-rates): earlywarn's "
                f"median E <= every optimizer-level peer's and closes >= half the gap qk-layernorm closes"
                + "".join(f"\n      {f}" for f in fails))
-    settings = warned = before = layer = mech = 0
+    settings = warned = before = layer = mech = left_out = 0
     for sw in sweeps:
         for lr in sw.unstable():
             for s in sw.seeds:
-                ew = sw.runs.get(("earlywarn", lr, s))
-                if ew is None:
+                ew, d = sw.runs.get(("earlywarn", lr, s)), sw.degrade(lr, s)
+                if ew is None or d is None:
+                    left_out += ew is not None  # its train loss never fell 10% behind the best rate's
                     continue
                 settings += 1
-                warns, d = warnings_of(ew), sw.degrade(lr, s)
+                warns = warnings_of(ew)
                 if not warns:
                     continue
                 warned += 1
                 first = warns[0]
-                if d is None or first["step"] < d:
+                if first["step"] < d:
                     before += 1
                     layer += bool(first["layers"])
                     mech += bool(first["layers"]) and names_mechanism(first)
     pct = lambda k: f"{k} ({100 * k / settings:.0f}%)" if settings else str(k)  # noqa: E731
     out.append(f"[{'met' if settings and mech >= 0.8 * settings else 'NOT MET'}] a WARNING before the loss degrades on "
-               f">= 80% of the {settings} unstable settings, naming the layer and the mechanism: warned {pct(warned)}, "
+               f">= 80% of the {settings} unstable settings whose loss degrades ({left_out} runs of unstable rates whose loss "
+               f"did not, left out), naming the layer and the mechanism: warned {pct(warned)}, "
                f"before the loss degrades {pct(before)}, of those naming a layer {pct(layer)}, a layer and the mechanism {pct(mech)}")
     moon = [(sw.model, sw.sensitivity("earlywarn"), sw.sensitivity("qk_layernorm")) for sw in sweeps
             if "qk_layernorm" in sw.methods]
@@ -443,21 +452,23 @@ def curve(series: list[list[float]], ref: int | None) -> list[float]:
     return out
 
 
-def _discrimination(cv: dict) -> list[str]:
-    """trains: the highest value any trains run reached (the threshold); unstable: the median at
-    the degrade step, how many cross the threshold before it, the median lead and its range."""
-    if not cv["trains"] or not cv["unstable"]:
-        return ["-"] * 5
-    thr = max(max(c) for c in cv["trains"])
-    at_d = [c[d] for c, d in cv["unstable"]]
-    leads = [d - next(i for i, v in enumerate(c) if v > thr) for c, d in cv["unstable"] if any(v > thr for v in c[:d])]
-    return [_f(thr, ".3g"), _f(statistics.median(at_d), ".3g"), f"{len(leads)}/{len(at_d)}",
-            _f(statistics.median(leads), ".0f") if leads else "-", f"{min(leads)}-{max(leads)}" if leads else "-"]
+def _crossings(unstable: list, above) -> str:
+    """``n/N (median lead; range)``: the unstable runs whose curve goes ``above`` its threshold
+    before their loss degrades, and how many steps before."""
+    leads = []
+    for c, d in unstable:
+        first = next((i for i in range(d) if above(c, i)), None)
+        if first is not None:
+            leads.append(d - first)
+    if not leads:
+        return f"0/{len(unstable)}"
+    return f"{len(leads)}/{len(unstable)} ({statistics.median(leads):.0f}; {min(leads)}-{max(leads)})"
 
 
 def signal_study(sweeps: list[Sweep]) -> str:
-    """Per signal, as its ratio to step DEGRADE_FROM and as its value: the highest any trains
-    run reached (the false-alarm side) against the unstable runs before they degrade."""
+    """Per signal, the trains runs (the false-alarm side) against the unstable runs before their
+    loss degrades: its ratio to step DEGRADE_FROM, and its value, each against the highest any
+    trains run reached."""
     rows = []
     groups = [(sw.model, [sw]) for sw in sweeps] + ([("both", sweeps)] if len(sweeps) > 1 else [])
     for label, sws in groups:
@@ -468,7 +479,7 @@ def signal_study(sweeps: list[Sweep]) -> str:
                     bare = sw.runs.get(("bare", lr, s))
                     d = sw.degrade(lr, s) if sw.kind[lr] != "trains" else None
                     if not bare or sw.kind[lr] != "trains" and d is None:
-                        continue  # unstable by its eval loss, its train loss never 10% above the best's
+                        continue  # unstable by its eval loss, its train loss never 10% behind the best's
                     side = "trains" if d is None else "unstable"
                     for name, ser in signal_series(bare["signals"]).items():
                         for how, ref in (("ratio", None if name.startswith("loss") else DEGRADE_FROM), ("value", None)):
@@ -476,12 +487,23 @@ def signal_study(sweeps: list[Sweep]) -> str:
                             c = curve(ser, ref)
                             cv[side].append(c if d is None else (c, d - DEGRADE_FROM))
         for name, by in curves.items():
-            rows.append([label, name] + _discrimination(by["ratio"]) + _discrimination(by["value"]))
-    head = ["threshold (trains max)", "unstable at degrade", "cross before degrade", "median lead", "lead range"]
-    return _table(["model", "signal"] + [f"ratio: {h}" for h in head] + [f"value: {h}" for h in head], rows)
+            ratio, value = by["ratio"], by["value"]
+            if not value["trains"] or not value["unstable"]:
+                continue
+            r_thr = max(max(c) for c in ratio["trains"])
+            v_thr = max(max(c) for c in value["trains"])
+            rows.append([label, name, _f(statistics.median(c[d] for c, d in value["unstable"]), ".3g"),
+                         _f(r_thr, ".3g"), _crossings(ratio["unstable"], lambda c, i: c[i] > r_thr),
+                         _f(v_thr, ".3g"), _crossings(value["unstable"], lambda c, i: c[i] > v_thr)])
+    return _table(["model", "signal", "unstable: value at degrade (median)", "ratio: trains max",
+                   "ratio: crossed before degrade (lead)", "value: trains max", "value: crossed before degrade (lead)"], rows)
 
 
 # ---------------------------------------------------------------- the picture
+COLORS = {"bare": "tab:red", "earlywarn": "black", "zclip": "tab:blue", "spam": "tab:orange", "stable_spam": "tab:green",
+          "adagc": "tab:purple", "olmo_skipstep": "tab:brown", "qk_layernorm": "tab:gray", "z_loss": "tab:pink"}
+
+
 def plot(sweeps: list[Sweep], path: str) -> None:
     import matplotlib
 
@@ -492,9 +514,9 @@ def plot(sweeps: list[Sweep], path: str) -> None:
     for ax, sw in zip(axes[0], sweeps):
         for m in sw.methods:
             es = [min(sw.E[(m, lr)], sw.e0) for lr in sw.rates]  # a diverged run plotted at E0
-            style = {"earlywarn": dict(color="black", lw=2.4, zorder=5), "bare": dict(color="tab:red", lw=1.8)}.get(
+            style = {"earlywarn": dict(lw=2.4, zorder=5), "bare": dict(lw=1.8)}.get(
                 m, dict(ls="--", lw=1.4) if m in REFERENCES else dict(lw=1.0, alpha=0.85))
-            ax.plot(sw.rates, es, marker="o", ms=3, label=m, **style)
+            ax.plot(sw.rates, es, marker="o", ms=3, label=m, color=COLORS.get(m), **style)
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate (AdamW)")
         ax.set_ylabel("final eval loss (median over seeds)")
@@ -539,7 +561,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.jobs} process(es); the runs' own CPU time (cached ones as measured then) {sum(r['cpu_s'] for r in ran):.0f} s")
     sweeps = [Sweep(m, configs, results, methods) for m in models]
     for sw in sweeps:
-        print(f"\n== {sw.model}: E0 {sw.e0:.3f}, best rate {sw.best:g} (bare E {sw.E[('bare', sw.best)]:.3f}), "
+        best = sorted(_num(r["E"]) for r in sw.seeds_of("bare", sw.best))
+        print(f"\n== {sw.model}: E0 {sw.e0:.3f}, best rate {sw.best:g} (bare E {sw.E[('bare', sw.best)]:.3f}, its seeds "
+              f"{best[0]:.3f}-{best[-1]:.3f}: {100 * (best[-1] - best[0]) / (sw.e0 - sw.E[('bare', sw.best)]):.1f}% of E0 - E_best), "
               f"warm-up {sw.warm} steps\n")
         print(sweep_table(sw) + "\n\n" + method_table(sw) + "\n\n" + detail_table(sw))
         if "earlywarn" in methods:
@@ -551,8 +575,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.signals:
         print(f"\nSignal study (bare runs, per step from {DEGRADE_FROM}; per signal the largest over layers of its value "
               f"(value) or of its value over its value at step {DEGRADE_FROM} (ratio; the loss's trend is a ratio already), "
-              f"a causal median of {SIGNAL_SMOOTH} steps; threshold = the highest any trains run of the group reached; "
-              f"cross = an unstable run goes above it before its loss degrades; lead in steps)\n")
+              f"a causal median of {SIGNAL_SMOOTH} steps. Trains max = the highest any trains run of the group reached at "
+              f"any step: a rule with that threshold raises no false alarm on them. Crossed = unstable runs whose curve "
+              f"goes above it before their loss degrades (median lead in steps; range).)\n")
         print(signal_study(sweeps))
     errors = [r for sw in sweeps for r in sw.errors]
     if errors:
