@@ -402,9 +402,9 @@ def checks(sweeps: list[Sweep]) -> list[str]:
                     mech += bool(first["layers"]) and names_mechanism(first)
     pct = lambda k: f"{k} ({100 * k / settings:.0f}%)" if settings else str(k)  # noqa: E731
     out.append(f"[{'met' if settings and mech >= 0.8 * settings else 'NOT MET'}] a WARNING before the loss degrades on "
-               f">= 80% of the {settings} unstable settings whose loss degrades ({left_out} runs of unstable rates whose loss "
-               f"did not, left out), naming the layer and the mechanism: warned {pct(warned)}, "
-               f"before the loss degrades {pct(before)}, of those naming a layer {pct(layer)}, a layer and the mechanism {pct(mech)}")
+               f">= 80% of the {settings} unstable settings whose loss degrades ({left_out} runs of unstable rates "
+               f"whose loss did not, left out), naming the layer and the mechanism: warned {pct(warned)}, before the "
+               f"loss degrades {pct(before)}, of those naming a layer {pct(layer)}, a layer and the mechanism {pct(mech)}")
     moon = [(sw.model, sw.sensitivity("earlywarn"), sw.sensitivity("qk_layernorm")) for sw in sweeps
             if "qk_layernorm" in sw.methods]
     out.append(f"[{'met' if moon and all(a <= b for _, a, b in moon) else 'NOT MET'}] moonshot: earlywarn's LR sensitivity "
@@ -561,10 +561,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.jobs} process(es); the runs' own CPU time (cached ones as measured then) {sum(r['cpu_s'] for r in ran):.0f} s")
     sweeps = [Sweep(m, configs, results, methods) for m in models]
     for sw in sweeps:
-        best = sorted(_num(r["E"]) for r in sw.seeds_of("bare", sw.best))
-        print(f"\n== {sw.model}: E0 {sw.e0:.3f}, best rate {sw.best:g} (bare E {sw.E[('bare', sw.best)]:.3f}, its seeds "
-              f"{best[0]:.3f}-{best[-1]:.3f}: {100 * (best[-1] - best[0]) / (sw.e0 - sw.E[('bare', sw.best)]):.1f}% of E0 - E_best), "
-              f"warm-up {sw.warm} steps\n")
+        best, e_best = sorted(_num(r["E"]) for r in sw.seeds_of("bare", sw.best)), sw.E[("bare", sw.best)]
+        print(f"\n== {sw.model}: E0 {sw.e0:.3f}, best rate {sw.best:g} (bare E {e_best:.3f}, its seeds {best[0]:.3f}-"
+              f"{best[-1]:.3f}: {100 * (best[-1] - best[0]) / (sw.e0 - e_best):.1f}% of E0 - E_best), warm-up {sw.warm} steps\n")
         print(sweep_table(sw) + "\n\n" + method_table(sw) + "\n\n" + detail_table(sw))
         if "earlywarn" in methods:
             print("\n" + earlywarn_table(sw))
