@@ -1,7 +1,8 @@
 """The natural-instability benchmark's training loop: one config, one method -> one result.
 
 Methods (rescue_peers.py's where they exist, with its loop interface): ``bare``; ``earlywarn``
-(``earlywarn.watch(model, opt, sinks=[])``, its defaults); ``zclip``; ``olmo_skipstep``;
+(``earlywarn.watch(model, opt, sinks=[])``, its defaults, each block's largest attention logit
+reported to it as ``attn_logit_max/blocks.<i>``, as its docs ask a transformer's user to); ``zclip``; ``olmo_skipstep``;
 ``spam``, ``stable_spam``, ``adagc`` (pytorch-optimizer 4.1.0's ``SPAM``, ``StableSPAM``,
 ``AdaGC``: their own defaults, with the run's learning rate, betas and weight decay, so only
 their clipping and resets differ from bare's AdamW); and the model-side references
@@ -53,7 +54,13 @@ class PytorchOptimizer(Method):
 
 
 class EarlywarnEvents(Earlywarn):
-    """rescue_peers' earlywarn method, keeping what each event names (signal, layers, values)."""
+    """rescue_peers' earlywarn method, keeping what each event names (signal, layers, values). Each
+    step it reports every block's largest attention logit as its docs show a user doing
+    (``ew.report("attn_logit_max/<block>", ...)``, a tensor: no host sync)."""
+
+    def report_attention(self, task) -> None:
+        for i, block in enumerate(task.attention_blocks()):
+            self.ews[0].report(f"attn_logit_max/blocks.{i}", block.logit_max)
 
     def close(self):
         out = super().close()
@@ -158,6 +165,8 @@ def _train(config: dict, method_name: str, res: dict) -> None:
             opt.zero_grad(set_to_none=True)
             loss, ce, logits = task.loss(task.batch(it))
             method.report_loss(0, loss)
+            if isinstance(method, EarlywarnEvents):
+                method.report_attention(task)
             loss.backward()
             grad_norm = total_norm(task.params(0))
             norm = method.clip(0)

@@ -57,6 +57,7 @@ class Kind(str, enum.Enum):
     LOSS_NONFINITE = "loss_nonfinite"
     LOSS_DIVERGED = "loss_diverged"
     SCALER_OVERFLOW = "scaler_overflow"
+    LOGIT_GROWTH = "logit_growth"  # from the user's attention-logit signal (earlywarn.attention)
     # actions and their outcomes (one kind per thing: docs/trackers.md lists each kind's values)
     SKIP = "skip"
     CLIP = "clip"
@@ -78,8 +79,9 @@ class Kind(str, enum.Enum):
 
 
 ALERT_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.GRAD_SPIKE, Kind.GRAD_OUTLIER, Kind.COLLAPSE_RISK,
-                         Kind.LOSS_NONFINITE, Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW})
-"""Kinds the detector emits (what happened); every other kind is an action or its outcome."""
+                         Kind.LOSS_NONFINITE, Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW, Kind.LOGIT_GROWTH})
+"""Kinds the detector (and the attention-logit watch) emit: what happened; every other kind is an
+action or its outcome."""
 
 
 DRY_RUN = "would have (dry run): "

@@ -106,3 +106,17 @@ TAIL_NOTE = "the run's own heavy tail (outliers with the loss at its level seen 
 TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "
                "typical norm, to see whether it heals (a bad batch's does not)")
 OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient smaller): trained on, bounded"
+
+
+def outlier_note(nth: int, bound: float, scale_free: bool) -> str:
+    """Why an outlier was taken at ``bound`` typical norms, the ``nth`` of its run (a clip's message)."""
+    if nth <= 1:
+        return "taken at its typical norm: a bad batch does one ordinary step, a spike of the run's own heals"
+    how = (f"held at {bound:.3g}x its typical norm while the run lasts (the optimizer's step hardly depends on "
+           "the gradient's scale: a new regime trains at full rate)" if scale_free else
+           "its bound growing while the run lasts (plain SGD: a new regime trains at full size within a few steps)")
+    return f"the {_ordinal(nth)} in a row, {how}; a burst is judged when it ends"
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"

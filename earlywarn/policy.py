@@ -14,13 +14,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
 
+from earlywarn.attention import LogitWatch
 from earlywarn.events import Event, Kind, Level
 from earlywarn.lrtrend import LOSS_STEPS, LrTrend
-from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, importable from here too)
-    BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN, CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS,
-    IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE, TAIL_LOSS, TAIL_NOTE,
-    TAIL_SEEN, TAIL_WATCH)
+    BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
+    CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
+    TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH, outlier_note)
+from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
 
@@ -146,6 +147,8 @@ class Policy:
         self.probe: tuple[int, int, float] | None = None
         self.lrs: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_lookback + 16)  # (tick, LR taken)
         self.lr_trend = LrTrend()  # a learning rate creeping up past the rates the run trained at
+        self.logits = LogitWatch()  # the attention logits the user reports (earlywarn.attention)
+        self.logit_lr = math.nan  # the rate the latest LOGIT_GROWTH lowered the learning rate to
 
     def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
                state_finite: bool | None = None, skipped: bool = False, repairable: bool = False,
@@ -225,10 +228,22 @@ class Policy:
             # the learning rate crept up into a worse loss: back to the rate it rose from, not the
             # highest it took calmly (a warning alone held healthy warm restarts and cycles)
             hold, ceiling, trend.held = trend.calm_lr, None, True
-            reasons.append(f"learning rate held at {hold:.3g}: it rose {trend.rising} steps in a row to "
+            # and back to before the window that got worse: its steps at the highest rates did the damage
+            triggers.append("lr_creep")
+            wanted.setdefault(Action.REWIND, "the learning rate crept up into a worse loss")
+            back = max(back, LOSS_STEPS)
+            reasons.append(f"learning rate held at {hold:.3g}: it crept up {trend.rising} steps in a row to "
                            f"{trend.prev / hold:.3g}x the rate the run trained at before "
                            f"({trend.prev / trend.peak_before:.3g}x the highest it had taken) while the loss got worse "
-                           f"than before it began to rise (mean of the last {LOSS_STEPS} steps)")
+                           f"than before it began to rise (mean of the last {LOSS_STEPS} steps); held at the rate it "
+                           "rose from")
+        grown = next((a for a in alerts if a.kind is Kind.LOGIT_GROWTH), None)
+        if grown is not None and hold is None and cfg.logit_lr_factor < 1.0 and evidence.lr > 0.0:
+            # a rate too high for the model: lower it, again at each doubling of the logit
+            rate = min(evidence.lr, self.logit_lr) if self.logit_lr == self.logit_lr else evidence.lr
+            hold = self.logit_lr = cfg.logit_lr_factor * rate
+            reasons.append(f"learning rate held at {hold:.3g}: the attention logits grew to "
+                           f"{grown.values.get('value', math.nan):.3g} at {rate:.3g} (attention-logit growth)")
         if self.trained_on is not None and Action.REWIND not in wanted:
             burst_back, why = self._burst_end(alerts, evidence, t)
             if burst_back:
@@ -315,7 +330,7 @@ class Policy:
         bound = 1.0 if k == 0 else self.cfg.outlier_clip_ratio if self.scale_free else OUTLIER_GROWTH ** k
         if not (ratio == ratio and ratio > bound):
             return Action.NONE, None, ""
-        return Action.CLIP, bound / ratio, ""
+        return Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free)
 
     def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> tuple[int, str]:
         """A run trained on past the skip budget that ends in one step -- its gradient
@@ -490,7 +505,8 @@ class Policy:
                 "run_level": list(self.run_level), "burst_rewound": self.burst_rewound, "tail": [self.tail_seen, self.tail_max, self.tail_taken,
                                                               self.tail_revoked, self.tail_loss],
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
-                "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict()}
+                "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict(),
+                "logits": self.logits.state_dict(), "logit_lr": None if self.logit_lr != self.logit_lr else self.logit_lr}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.tick = int(d["tick"])
@@ -517,3 +533,5 @@ class Policy:
         self.lrs.clear()
         self.lrs.extend((int(k), float(lr)) for k, lr in d.get("lrs", []))
         self.lr_trend.load_state_dict(d.get("lr_trend", {}))
+        self.logits.load_state_dict(d.get("logits", {}))
+        self.logit_lr = math.nan if d.get("logit_lr") is None else float(d["logit_lr"])

@@ -74,20 +74,22 @@ class PolicyConfig:
 
     on_grad_outlier: Action | str = Action.CLIP
     """GRAD_OUTLIER (warning): a finite gradient far above its typical norm, read before its update
-    (sync mode). ``clip`` (the default): the update is taken, bounded -- the first outlier of a
-    run scaled to its typical norm, the rest to ``outlier_clip_ratio`` typical norms (plain SGD:
-    growing, ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never inflated by a 1e4x gradient
-    (which would stall the run for thousands of steps) and no batch goes untrained: a spike of the
-    model's own heals as it does under clipping, a new regime or a loss weight raised on purpose
-    trains at full rate, a bad batch takes one step of ordinary size. What tells a bad batch from
-    the run's own outlier comes after it: a run of outliers that ends in one step with the loss
-    far above its level before it was a burst of bad batches and is rewound to before it
-    (``BURST_END_LOSS``); the run's own kinds of outlier (a part unfrozen or idle trains again, a
-    climb, a heavy tail) are taken with their own bounds. ``skip``: the first ``outlier_skips`` outliers of every run are
-    skipped and quarantined, then bounded as above (measured on ``benchmarks/rescue.py``: healthy
-    runs that change their loss's scale, start a new stage or a phase lost 6-21% of their steps
-    so, and a spike of the model's own is refused every time: a skip leaves the model where the
-    spike put it). Async mode reads it after its update was applied and can do neither."""
+    (sync mode). ``clip`` (the default): the update is taken, bounded -- the first outlier of a run
+    scaled to its typical norm, the rest to ``outlier_clip_ratio`` typical norms (plain SGD:
+    growing, ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never
+    inflated by a 1e4x gradient (which would stall the run for thousands of steps) and no batch goes
+    untrained: a spike of the model's own heals as it does under clipping, a new regime or a loss
+    weight raised on purpose trains at full rate, a bad batch takes one step of ordinary size. What
+    tells a bad batch from the run's own outlier comes after it: a run of outliers that ends in one
+    step with the loss far above its level before it, or half the run's progress lost, was a burst
+    of bad batches and is rewound to before it (``BURST_END_LOSS``, ``BURST_END_LOST``), and
+    outliers in the ``BURST_END_WITHIN`` steps after are more of it: skipped; the run's own kinds of
+    outlier (a part unfrozen or idle trains again, a climb, a heavy tail) are taken with their own
+    bounds. ``skip``: the first ``outlier_skips`` outliers of every run are skipped and quarantined,
+    then bounded as above (measured on ``benchmarks/rescue.py``: healthy runs that change their
+    loss's scale, start a new stage or a phase lost 6-21% of their steps so, and a spike of the
+    model's own is refused every time: a skip leaves the model where the spike put it). Async mode
+    reads it after its update was applied and can do neither."""
 
     outlier_skips: int = 40
     """With ``on_grad_outlier="skip"``: the outliers of one run skipped (a burst of corrupt
@@ -99,6 +101,12 @@ class PolicyConfig:
     """The norm, in typical norms, the outliers of a run after its first are scaled to (an
     optimizer whose step hardly depends on the gradient's scale); a run of outliers ends at a
     gradient back under it (see ``outlier_skips``)."""
+
+    logit_lr_factor: float = 0.5
+    """LOGIT_GROWTH (warning; only for a run that reports its attention logits,
+    ``ew.report("attn_logit_max/<layer>", ...)``, see :mod:`earlywarn.attention`): the learning
+    rate is lowered to this factor of the rate it steps at, again at each doubling of the logit,
+    and stays so (a flat ceiling) while the loop's rate stays above it. 1.0: warn only."""
 
     lr_probe_steps: int = 5
     """After an LR jump (COLLAPSE_RISK on the learning rate, a clean copy saved before its update),
@@ -194,6 +202,9 @@ class PolicyConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 1.0:
                 raise ValueError(f"PolicyConfig.{name}={v!r} is invalid: use a ratio > 1 (value / its typical value)")
+        v = self.logit_lr_factor
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+            raise ValueError(f"PolicyConfig.logit_lr_factor={v!r} is invalid: use a factor in (0, 1] (1: warn only)")
         for name in ("checkpoint_window", "rewind_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PolicyConfig.{name}={getattr(self, name)!r} is invalid: use a window of >= 1 step")

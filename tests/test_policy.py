@@ -610,10 +610,12 @@ def _lrs_losses(p: Policy, lrs, losses):
 def test_a_creep_past_twice_the_highest_rate_with_the_loss_worse_is_held_with_no_warning():
     """A schedule bug's climb (x1.02 a step from step 100) while the loss gets worse: held at
     the rate it rose from once the LR is 2x the highest the run took, without waiting for the
-    detector's warnings (they come hundreds of steps later, the run damaged). Once for the rise."""
+    detector's warnings (they come hundreds of steps later, the run damaged), and rewound to
+    before the window that got worse (its steps at the highest rates did the damage). Once for
+    the rise."""
     import random
 
-    from earlywarn.lrtrend import BEYOND
+    from earlywarn.lrtrend import BEYOND, LOSS_STEPS
 
     rng = random.Random(3)
     lrs = [1e-3] * 100 + [1e-3 * 1.02 ** k for k in range(1, 120)]
@@ -624,8 +626,10 @@ def test_a_creep_past_twice_the_highest_rate_with_the_loss_worse_is_held_with_no
     held = [s for s, d in ds.items() if d.lr_hold is not None]
     first = min(s for s in range(len(lrs)) if lrs[s] >= BEYOND * 1e-3)
     assert len(held) == 1 and first <= held[0] <= first + 20 and lrs[held[0]] < 3e-3, (held, first)
-    assert ds[held[0]].lr_hold == pytest.approx(1e-3) and not ds[held[0]].actions
-    assert any("while the loss got worse than before it began to rise" in r for r in ds[held[0]].reasons)
+    d = ds[held[0]]
+    assert d.lr_hold == pytest.approx(1e-3) and d.actions == (Action.REWIND,)
+    assert d.onset_back == LOSS_STEPS and d.rewind_triggers == ("lr_creep",)  # back before the worse window
+    assert any("while the loss got worse than before it began to rise" in r for r in d.reasons)
     q = Policy()
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.lr_trend.state_dict() == p.lr_trend.state_dict()

@@ -97,6 +97,10 @@ class Judge:
 
     def __call__(self, obs: Observation, layer_sq: np.ndarray, counted: bool, step: int, episode: Episode) -> Decision:
         alerts = tuple(self.detector.observe(obs))
+        if obs.extras:  # the user's attention logits (earlywarn.attention): reported ones only
+            grown = self.policy.logits.push(obs.step, obs.extras)
+            if grown is not None:
+                alerts += (grown,)
         # the global norm is finite iff every layer's is (a recount's non-finite elements show in it)
         nonfinite = not obs.grad_finite if counted else not math.isfinite(obs.grad_norm)
         loss_bad = obs.loss is not None and not math.isfinite(obs.loss)

@@ -113,11 +113,7 @@ class Responses:
             self.statistics.scale_gradients(factor)
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
-        nth = int(out.values.get("steps", 1.0)) if out is not None else 1
-        why = decision.policy.clip_note or (
-            "taken at its typical norm: a bad batch does one ordinary step, a spike of the run's own heals"
-            if nth == 1 else f"the {_ordinal(nth)} in a row, its bound growing while the run lasts (a new regime "
-                             "trains at full size within a few steps; a burst is judged when it ends)")
+        why = decision.policy.clip_note or "bounded"
         self._emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
@@ -248,15 +244,15 @@ class Responses:
             self.recovery.hold_lr(ceiling, rewarm=jump)
         how = f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump else ""
         how += " while the loop's learning rate stays above it"
-        if decision.policy.lr_hold is not None:
-            why = next((r.split(": ", 1)[1] for r in decision.policy.reasons if r.startswith("learning rate held at")), "")
-            what, rate = f"it crept up, step after step: {why}", "the rate the run trained at before it began to rise"
+        if decision.policy.lr_hold is not None:  # the policy says why (a creep, the attention logits)
+            what = next((r.split(": ", 1)[1] for r in decision.policy.reasons if r.startswith("learning rate held at")), "")
+            rate = ""
         else:
-            what, rate = ("a jump" if jump else "a rise"), "the highest it had run at calmly"
+            what, rate = ("a jump" if jump else "a rise"), " (the highest it had run at calmly)"
         self._emit(Event(
             step=tag.run_step, kind=Kind.LR_HOLD, level=Level.WARNING, signal="lr_ceiling",
             message=(f"the learning rate led the run into trouble ({what}): "
-                     f"earlywarn steps at no more than {ceiling:.3g} ({rate}){how}"),
+                     f"earlywarn steps at no more than {ceiling:.3g}{rate}{how}"),
             values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
 
     def _blame(self, decision: Decision, tag: StepTag, first: int) -> Any:
@@ -309,7 +305,3 @@ def _reason(decision: Decision) -> str:
 def _batch_index(tag: StepTag) -> int | None:
     # `batch` is the recovery layer's BatchRef, or None without a restorable loader.
     return None if tag.batch is None else tag.batch.batch_index
-
-
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
