@@ -93,3 +93,21 @@ def test_watch_warns_and_steps_at_the_lowered_rate_while_the_loops_stays_above_i
     assert "attention-logit growth" in hold.message and hold.values["lr_ceiling"] == pytest.approx(0.05)
     assert steps_taken[5] == pytest.approx(0.1, rel=1e-4) and steps_taken[-1] == pytest.approx(0.05, rel=1e-4)
     assert opt.param_groups[0]["lr"] == 0.1  # the loop's own rate is left as it set it
+
+
+def test_the_attention_logits_get_no_detector_channel_the_rule_is_their_own():
+    """Attention logits grow through a warm-up by design: a relative rule on them (the detector's
+    user-signal channel) warned on healthy runs, so they have only their own absolute one."""
+    from earlywarn.attention import SIGNAL
+    from earlywarn.detect import Observation, StreamingDetector
+    from earlywarn.detect.state import OWN_RULE, tracked_user
+
+    assert OWN_RULE == ("user/" + SIGNAL,)
+    assert not tracked_user("user/attn_logit_max") and not tracked_user("user/attn_logit_max/blocks.0")
+    assert tracked_user("user/attn_entropy") and not tracked_user("loss")
+    sd = StreamingDetector()
+    alerts = []
+    for s in range(300):  # logits growing 2% a step, as in a warm-up; a user signal of the same shape warns
+        alerts += sd.observe(Observation(step=s, grad_norm=1.0, loss=2.0,
+                                         extras={"user/attn_logit_max/blocks.0": 2.0 * 1.02 ** s}))
+    assert sd.user_names == () and not alerts

@@ -65,7 +65,7 @@ from earlywarn.detect.rules import Thresholds
 from earlywarn.detect.state import (  # noqa: F401 - names importable from here before the split
     COUNT, CUSUM, FIXED_NAMES, GRAD, GROW, LAYER, LAYERS_BIT, LOSS, LR_BIT, MU, N_FIXED, N_ROWS, PARAM, PREV,
     SCALE, SCORE_CAP, STATE_VERSION, STREAK, UPDATE, USER, USER_BIT, WIDTH, DetectorState, loss_shift_for,
-    user_channel, with_user_signals)
+    tracked_user, user_channel, with_user_signals)
 from earlywarn.detect.work import Work, cnz
 from earlywarn.events import Event, Level
 
@@ -115,7 +115,7 @@ class Detector:
         if len(set(layer_names)) != len(layer_names):
             raise ValueError("layer_names must be unique")
         users = [user_channel(u) for u in user_names]
-        users += [k for k in (baseline or {}) if isinstance(k, str) and k.startswith(USER) and k not in users]
+        users += [k for k in (baseline or {}) if isinstance(k, str) and tracked_user(k) and k not in users]
         if len(set(users)) != len(users):
             raise ValueError("user_names must be unique")
         channels = FIXED_NAMES + tuple(LAYER + n for n in layer_names) + tuple(users)
@@ -292,7 +292,7 @@ class StreamingDetector:
         if ex and not self._w.known_extras.issuperset(ex):  # (a cheap test first: a calm step is ~6 us)
             us = self._w.user_set
             for key in ex:
-                if key.startswith(USER) and key not in us:
+                if tracked_user(key) and key not in us:
                     self._add_users(self._w.new_users(ex))
                     break
         return self._step(self._w, obs)
@@ -317,7 +317,7 @@ class StreamingDetector:
             # a user signal gets its channel at its first known row, as observe() gives it one
             first: dict[int, list[str]] = {}
             for key, (_, known) in cols.extras.items():
-                if key.startswith(USER) and key not in self._w.user_set:
+                if tracked_user(key) and key not in self._w.user_set:
                     kn = np.ones(stop - start, dtype=bool) if known is None else np.asarray(known[start:stop], dtype=bool)
                     if kn.any():
                         first.setdefault(start + int(np.argmax(kn)), []).append(key)

@@ -20,6 +20,16 @@ N_FIXED = 4
 FIXED_NAMES = ("grad_norm", "loss", "update_norm", "param_norm")
 LAYER = "grad_norm/"  # a layer's channel is "grad_norm/<layer>"
 USER = "user/"  # a user's own run-level signal (``Watcher.report``; a log column ``earlywarn/user/<name>``)
+# user signals with a rule of their own and no channel: the attention logits (earlywarn.attention)
+# grow by design through a warm-up, and a relative rule on them warned on healthy runs
+OWN_RULE = (USER + "attn_logit_max",)
+
+
+def tracked_user(key: str) -> bool:
+    """``key`` is a user signal the detector gives a channel (not one of :data:`OWN_RULE`'s)."""
+    return key.startswith(USER) and not key.startswith(OWN_RULE)
+
+
 # rows of DetectorState.stats
 MU, SCALE, COUNT, STREAK, GROW, PREV, CUSUM, WIDTH = range(8)
 N_ROWS = 8

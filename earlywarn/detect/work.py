@@ -8,7 +8,7 @@ import numpy as np
 from earlywarn.detect.rules import Thresholds, alone_thresholds, together_threshold
 from earlywarn.detect.state import (COUNT, CUSUM, EXTRAS, GROW, LAYERS_BIT, LR_BIT, MU, N_FIXED, N_ROWS,
                                     PATTERN_BITS, PREV, SCALARS, SCALE, STREAK, USER, USER_BIT, WIDTH,
-                                    DetectorState)
+                                    DetectorState, tracked_user)
 
 IDLE_STEPS = 3
 """Steps a layer must have been absent (no gradient, or 0) for its return to be a part of the model
@@ -189,4 +189,4 @@ class Work:
         if not extras:
             return []
         us = self.user_set
-        return [k for k in extras if k.startswith(USER) and k not in us]
+        return [k for k in extras if tracked_user(k) and k not in us]

@@ -218,7 +218,9 @@ class Watcher:
         The detector tracks it as a run-level signal ``user/<name>``: an isolated spike is info;
         an escalation or a sustained rise (``DetectorConfig.user_alone_h``), or a NaN / inf
         value, is a warning that names it. Report a positive magnitude (it is judged in log
-        space; values <= 0 are not tracked). Values reported between two optimizer steps are
+        space; values <= 0 are not tracked). ``"attn_logit_max"`` (or ``"attn_logit_max/<layer>"``),
+        the largest attention logit, has a rule of its own instead (:mod:`earlywarn.attention`: an
+        absolute bound, the learning rate lowered past it). Values reported between two optimizer steps are
         averaged; a name not reported at a step is absent there. Logged as
         ``earlywarn/user/<name>``, which ``earlywarn analyze`` reads back as the same signal.
         Under ``torch.distributed`` report the same names on every rank (the value is averaged
