@@ -33,6 +33,7 @@ import torch
 from earlywarn.capture.grouping import build_layer_map
 from earlywarn.detect import StreamingDetector
 from earlywarn.guard.config import OPTION_NAMES, WatchConfig
+from earlywarn.guard.calmstep import CalmSteps, Current
 from earlywarn.guard.episode import Episode
 from earlywarn.guard.install import NO_UPDATE, Installation, PendingStep, is_fused
 from earlywarn.guard.judge import Decision, Judge
@@ -48,6 +49,7 @@ from earlywarn.recover.holders import ZeroState, has_state, state_view
 from earlywarn.recover.statecheck import check_every
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
+_is_compiling = torch.compiler.is_compiling
 _LIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()  # watchers attached now: a name when there are several
 _CREATED = itertools.count()  # the order watchers were made in (names are given in that order)
 
@@ -69,17 +71,22 @@ class Watcher:
         self.statistics = StepStatistics(layer_map, optimizer, self.scaler, late=self.mode == "async",
                                          world_size=torch.distributed.get_world_size() if dist else 1,
                                          state_check_every=check_every(optimizer, recovery_cfg.state_check_every))
-        self.detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
-        self.policy = Policy(config.policy or PolicyConfig())
+        self._detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
+        self._policy = Policy(config.policy or PolicyConfig())
         if self.mode == "async":
-            _warn_unskippable(self.policy.cfg)
+            _warn_unskippable(self._policy.cfg)
         self.telemetry = Telemetry(RunClock(), layer_map.layer_names, config.metrics or MetricsConfig(),
                                    _name(config, model))
+        # calm steps: applied on a test of their vector, folded into the detector and the trackers later
+        self._calm = CalmSteps(self._detector, self._policy, self.telemetry, self.statistics, self._quiet_steps,
+                               scaler=self.scaler is not None)
+        self.telemetry.before_event = self._calm.fold
         self._created = next(_CREATED)
         ema_note = averaged_copies_warning(model, extra_state, depth=3)  # an EMA a rewind would leave poisoned
         if ema_note:
             warnings.warn(ema_note, RuntimeWarning, stacklevel=3)
-        extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy,
+        extra = {"earlywarn_detector": Current(self._detector, self._calm),
+                 "earlywarn_policy": Current(self._policy, self._calm),
                  "earlywarn_watcher": WatcherCheckpointState(self.telemetry), **(extra_state or {})}
         self.recovery = Recovery(
             model, optimizer, recovery_cfg, scheduler=scheduler, scaler=self.scaler,
@@ -89,7 +96,7 @@ class Watcher:
             # Our own bookkeeping follows the judgement of a step (late in async mode), not its update.
             late_state=("earlywarn_detector", "earlywarn_policy", "earlywarn_watcher"))
         self.statistics.effective_lr = self.recovery.effective_lr
-        self.judge = Judge(self.detector, self.policy, self.recovery.scan, scaler=self.scaler is not None,
+        self.judge = Judge(self._detector, self._policy, self.recovery.scan, scaler=self.scaler is not None,
                            late=self.mode == "async")
         self.responses = Responses(self.recovery, self.telemetry, self.statistics, scaler=self.scaler is not None,
                                    flush=self.flush)
@@ -133,6 +140,18 @@ class Watcher:
         keep the run's own clock, which never goes back: after a rewind from step 152 to the
         snapshot of step 125, ``step`` is 126 and the next metrics are logged at 153."""
         return self.telemetry.clock.step
+
+    @property
+    def detector(self) -> StreamingDetector:
+        """The detector, with every calm step so far folded in."""
+        self._calm.fold()
+        return self._detector
+
+    @property
+    def policy(self) -> Policy:
+        """The response policy, with every calm step so far folded in."""
+        self._calm.fold()
+        return self._policy
 
     @property
     def events(self) -> list:
@@ -230,6 +249,7 @@ class Watcher:
         """The watcher's state (detector, policy, recovery, counters, step and the run's clock) in
         plain types and tensors: ``torch.save`` it and ``torch.load(path)`` (``weights_only=True``)
         reads it back."""
+        self._calm.fold()
         return weights_only_safe({
             **self.telemetry.clock.state_dict(), "counters": dict(self.counters),
             "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
@@ -237,11 +257,13 @@ class Watcher:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = from_saved(state)
+        self._calm.fold()
         self.telemetry.clock.load_state_dict(state)
         self.counters.update({k: int(v) for k, v in state["counters"].items()})
         self.detector.load_state_dict(state["detector"])
         self.policy.load_state_dict(state["policy"])
         self.recovery.load_state_dict(state["recovery"])
+        self._calm.judged()
 
     def flush(self, timeout: float = 10.0) -> None:
         """Process a step still in flight (async mode) and push buffered sink data out, waiting
@@ -249,6 +271,7 @@ class Watcher:
         once; its records stay buffered)."""
         for host, tag in self.statistics.reader.drain():
             self._judge_late(host, tag)
+        self._calm.fold()
         self.recovery.settle()  # a snapshot still being copied / confirmed
         self.telemetry.log_halted_row()
         self.telemetry.flush(time.monotonic() + timeout)
@@ -260,6 +283,7 @@ class Watcher:
         try:
             for host, tag in self.statistics.reader.drain():
                 self._judge_late(host, tag)
+            self._calm.fold()
         finally:
             self._detached = True
             _LIVE.discard(self)
@@ -325,7 +349,16 @@ class Watcher:
         if self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             self.scaler.unscale_(optimizer)  # what scaler.step would do first; grads are now unscaled
         vec, tag = self._begin(None)
-        decision = self._judge_now(vec, tag)
+        host = self.statistics.read_now(vec, tag)
+        lr = self.statistics.take_lr(tag.step)
+        if self._calm.take(host, tag, lr):
+            install.scaler_decided = False
+            try:
+                return install.real_scaler_step(optimizer, *args, **kwargs)
+            finally:
+                install.scaler_decided = None
+                self._calm_after(tag, lr)
+        decision = self._judge(host, tag, lr)
         if decision.restores:
             self._restore(decision, tag)
         elif decision.policy.clip_factor is not None:
@@ -369,7 +402,13 @@ class Watcher:
             for host, late in ready:
                 self._judge_late(host, late)  # judged now, after this step's update was queued
             return out
-        decision = self._judge_now(vec, tag)
+        host = self.statistics.read_now(vec, tag)
+        lr = self.statistics.take_lr(tag.step)
+        if self._calm.take(host, tag, lr):
+            out = apply(self._install.update(False))
+            self._calm_after(tag, lr)
+            return out
+        decision = self._judge(host, tag, lr)
         if decision.restores:
             self._restore(decision, tag)
             return apply(NO_UPDATE)
@@ -395,15 +434,34 @@ class Watcher:
         clock.step += 1
         return vec, tag
 
-    def _judge_now(self, vec: "torch.Tensor | np.ndarray", tag: StepTag) -> Decision:
-        return self._judge(self.statistics.read_now(vec, tag), tag)
+    def _quiet_steps(self, step: int, k: int) -> int:
+        """How many of the ``k`` steps from ``step`` on may be calm as far as the watcher goes:
+        the policy watching nothing, no incident noted since the last metric row, recovery with
+        nothing due but each step's record (each a calm step's: clean, building only while an
+        alert is recent). Nothing of this moves until a step is judged, an event comes, or the
+        calm steps are folded in: the calm steps draw their bands for these steps only."""
+        if self._policy.watching or self.telemetry.levels.step is not None:
+            return 0
+        ep = self.episode.after(step, (), elevated=False)  # (a calm step elevates nothing: the bands see to it)
+        return self.recovery.quiet_steps(step, k, clean=ep.clean, building=ep.building)
 
-    def _judge(self, host: np.ndarray, tag: StepTag) -> Decision:
+    def _calm_after(self, tag: StepTag, lr: float | None) -> None:
+        """What a calm step leaves besides its kept row: the episode, the step count, its record."""
+        ep = self.episode
+        if ep.elevated or ep.onset is not None:
+            self.episode = ep.after(tag.step, (), elevated=False)
+        self.counters["steps"] = self.step
+        self.recovery.calm_step(tag.step, lr)
+
+    def _judge(self, host: "np.ndarray | list[float]", tag: StepTag, lr: float | None) -> Decision:
+        self._calm.fold()  # the detector and the policy up to date first
+        host = np.asarray(host, dtype=np.float64)  # (the CPU's list of floats: see StepStatistics.read_now)
         # a poisoned optimizer moment (the vector's last entry) is repaired before this step's update
         self.statistics.state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step)
-        obs = self.statistics.observation(host, tag)
+        obs = self.statistics.observation(host, tag, lr)
         decision = self.judge(obs, host[:self.statistics.num_layers], tag.counts is not None,
                               tag.step, self.episode)
+        self._calm.judged()
         self.responses.announce(decision, tag)
         return decision
 
@@ -412,7 +470,12 @@ class Watcher:
         queued; the device already skipped it if it was non-finite)."""
         if tag.gen != self._gen:
             return  # applied on a trajectory a rewind has undone since: never judged (as in sync mode)
-        decision = self._judge(host, tag)
+        lr = self.statistics.take_lr(tag.step)
+        # (a copy started when a later step was queued is confirmed when its step is judged)
+        if not self.recovery.copying and self._calm.take(host, tag, lr):
+            self._calm_after(tag, lr)
+            return
+        decision = self._judge(host, tag, lr)
         if decision.restores:
             rewinds = self.recovery.rewinds
             self._restore(decision, tag)
@@ -429,11 +492,11 @@ class Watcher:
         if decision.nonfinite:
             self.telemetry.count("nonfinite_steps")
         # an episode builds on the run's own signals: one of hundreds of layers is elevated by chance
-        elevated = self.detector.run_score >= self.detector.cfg.spike_z
+        elevated = self._detector.run_score >= self._detector.cfg.spike_z
         ep = self.episode = self.episode.after(tag.step, decision.alerts, elevated=elevated)
         self.counters["steps"] = self.step
         self.recovery.after_step(tag.step, clean=ep.clean(tag.step) and not decision.skip, building=ep.building(tag.step))
-        self.telemetry.log_metrics(tag.run_step, decision.obs, self.detector.score)  # after recovery: its checkpoint or repair counts
+        self.telemetry.log_metrics(tag.run_step, decision.obs, self._detector.score)  # after recovery: its checkpoint or repair counts
 
     def _restore(self, decision: Decision, tag: StepTag) -> None:
         """The step ends in a repair (poisoned optimizer state, parameters finite: progress kept)
@@ -444,7 +507,7 @@ class Watcher:
             return
         report = self.responses.rewind(decision, tag, self.episode)
         self.optimizer.zero_grad(set_to_none=True)
-        self.telemetry.log_metrics(tag.run_step, decision.obs, self.detector.score)
+        self.telemetry.log_metrics(tag.run_step, decision.obs, self._detector.score)
         # the training step goes back (the loop's schedule can follow: ew.step); the run's clock
         # for events and metrics goes on from the incident's
         self.telemetry.clock.rewound(tag.step, report.resume_step)
@@ -535,7 +598,7 @@ def _input_fingerprint(recovery: Recovery) -> Callable[..., None]:
     step's batch fingerprint: training forwards only, on the device, no host sync."""
     fps = recovery.fingerprints
 
-    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def observe(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled() and not fps.explicit:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is None:
@@ -543,8 +606,14 @@ def _input_fingerprint(recovery: Recovery) -> Callable[..., None]:
             if first is not None:
                 fps.observe(first)
 
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(hook) if disable is not None else hook  # never traced into a compiled model
+    eager = torch.compiler.disable(observe)  # never traced into a compiled model
+
+    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        # the disabled twin only while dynamo traces: its wrapper costs 10-25 us a call in eager
+        # mode (as optimizer.step's did, install._watched_step)
+        return eager(module, args, kwargs) if _is_compiling() else observe(module, args, kwargs)
+
+    return hook
 
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: "torch.amp.GradScaler | None" = None,
