@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import earlywarn  # noqa: E402
 from earlywarn.events import Kind  # noqa: E402
 from earlywarn.recover import Halt, RecoveryConfig  # noqa: E402
-from earlywarn.recover._state import state_bytes  # noqa: E402
+from earlywarn.recover.hostcopy import state_bytes  # noqa: E402
 from earlywarn.recover.checkpoint import load_checkpoint  # noqa: E402
 from earlywarn.recover.snapshot import restore_state  # noqa: E402
 from tinygpt import GPT, CharDataset, GPTConfig, param_count, stdlib_text  # noqa: E402

@@ -57,12 +57,16 @@ class Kind(str, enum.Enum):
     LOSS_NONFINITE = "loss_nonfinite"
     LOSS_DIVERGED = "loss_diverged"
     SCALER_OVERFLOW = "scaler_overflow"
-    # actions and their outcomes
+    # actions and their outcomes (one kind per thing: docs/trackers.md lists each kind's values)
     SKIP = "skip"
     CLIP = "clip"
     REPAIR = "repair"
     CHECKPOINT = "checkpoint"
+    CHECKPOINT_FAILED = "checkpoint_failed"
     REWIND = "rewind"
+    NO_REWIND = "no_rewind"
+    LR_HOLD = "lr_hold"
+    LR_RELEASE = "lr_release"
     QUARANTINE = "quarantine"
     HALT = "halt"
     RESUME = "resume"
@@ -76,6 +80,11 @@ class Kind(str, enum.Enum):
 ALERT_KINDS = frozenset({Kind.NONFINITE_GRAD, Kind.GRAD_SPIKE, Kind.GRAD_OUTLIER, Kind.COLLAPSE_RISK,
                          Kind.LOSS_NONFINITE, Kind.LOSS_DIVERGED, Kind.SCALER_OVERFLOW})
 """Kinds the detector emits (what happened); every other kind is an action or its outcome."""
+
+
+DRY_RUN = "would have (dry run): "
+"""How an event of ``watch(dry_run=True)`` opens: what earlywarn would have done and did not (its
+``values["dry_run"]`` is 1.0)."""
 
 
 def jsonable(x: Any) -> Any:

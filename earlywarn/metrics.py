@@ -51,9 +51,10 @@ COUNTERS = ("skipped_steps", "repaired_steps", "rewinds", "checkpoints")
 _NOT_LOGGED = frozenset({"steps"})  # the step itself is the x-axis of every series
 
 INCIDENT_KINDS = frozenset(str(k) for k in ALERT_KINDS | {Kind.SKIP, Kind.CLIP, Kind.REPAIR, Kind.REWIND,
-                                                         Kind.QUARANTINE, Kind.HALT})
+                                                         Kind.NO_REWIND, Kind.LR_HOLD, Kind.QUARANTINE, Kind.HALT})
 """Event kinds that count toward ``alert_level``: detector alerts and the actions they caused.
-Checkpoint, resume and sink-status records do not (they are bookkeeping, not alerts)."""
+Checkpoint, resume, learning-rate release and sink-status records do not (they are bookkeeping,
+not alerts)."""
 
 
 class StepLevels:

@@ -69,7 +69,8 @@ class PolicyDecision:
     suppressed: tuple[str, ...] = ()
     """The lines of rewinds that were wanted and not taken (a cooldown): the guard says why."""
     rewind_triggers: tuple[str, ...] = ()
-    """What asked for this step's rewind or repair (alert kinds, or ``"nonfinite_streak"``)."""
+    """What asked for this step's rewind or repair (alert kinds, ``"nonfinite_streak"``, or
+    ``"state_left"``: a repair left the optimizer state non-finite)."""
     halt_reason: str | None = None
     """Why this step halts."""
     nonfinite_streak: int = 0
@@ -144,7 +145,8 @@ class Policy:
         self.lr_trend = LrTrend()  # a learning rate creeping up past the rates the run trained at
 
     def decide(self, step: int, alerts: Iterable[Event], evidence: Evidence = Evidence(), *,
-               state_finite: bool | None = None, skipped: bool = False, repairable: bool = False) -> PolicyDecision:
+               state_finite: bool | None = None, skipped: bool = False, repairable: bool = False,
+               unrepaired: str = "") -> PolicyDecision:
         """``state_finite``: on a step with a non-finite loss or gradient, whether the guard found
         parameters and optimizer state finite (``None``: not checked). ``True``: the bad step was
         never applied and a lone non-finite step is one bad batch -- a rewind it would ask for
@@ -155,7 +157,9 @@ class Policy:
         starts over: the repair acted on what made the steps non-finite). ``skipped``: the guard
         skips this step for a reason of its own (a finite gradient whose square overflows): it
         counts toward the streak like a non-finite one (a state that gives every batch such a
-        gradient is broken). ``evidence``: the step's gradient and loss over their typical values."""
+        gradient is broken). ``evidence``: the step's gradient and loss over their typical values.
+        ``unrepaired``: what a repair left non-finite (and why): no update may read it, a rewind
+        is wanted (the guard skips the step when the rewind is not taken)."""
         cfg = self.cfg
         self.tick += 1
         t = self.tick
@@ -187,6 +191,9 @@ class Policy:
             if action is not Action.NONE:
                 wanted.setdefault(action, f"{a.kind} ({a.level}) at step {a.step}")
 
+        if unrepaired:
+            triggers.append("state_left")
+            wanted.setdefault(Action.REWIND, f"the optimizer state a repair left non-finite ({unrepaired})")
         self.nonfinite_streak = self.nonfinite_streak + 1 if (nonfinite_now or skipped) else 0
         streak = self.nonfinite_streak
         if cfg.rewind_after_nonfinite and streak >= cfg.rewind_after_nonfinite:
@@ -385,10 +392,11 @@ class Policy:
         return (self.probe is not None or self.nonfinite_streak != 0 or self.outliers != 0
                 or self.tail_taken is not None and self.tick - self.tail_taken < TAIL_WATCH and not self.tail_revoked)
 
-    def calm(self, lr: float = math.nan) -> PolicyDecision:
+    def calm(self, lr: float = math.nan, loss: float = math.nan) -> PolicyDecision:
         """:meth:`decide` of a step with no alerts and nothing skipped while nothing is
         :attr:`watching` (most steps): the same bookkeeping and the same empty decision, without
-        building the evidence. ``lr``: the learning rate the step takes (NaN: unknown)."""
+        building the evidence. ``lr``: the learning rate the step takes, ``loss`` its loss (NaN:
+        unknown)."""
         self.tick += 1
         if lr == lr:
             self.lrs.append((self.tick, lr))

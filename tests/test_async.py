@@ -330,7 +330,7 @@ def test_an_async_step_reads_no_value_on_the_host():
 class _GuardScalarReads(TorchDispatchMode):
     """Scalar reads made by earlywarn itself: not inside the optimizer's own update (torch's AdamW
     reads its step counts), and not the snapshot's finiteness flag, which on CUDA is a pinned host
-    copy read once its copy event completed (``recover/_state.py``: never a device sync)."""
+    copy read once its copy event completed (``recover/hostcopy.py``: never a device sync)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -342,7 +342,7 @@ class _GuardScalarReads(TorchDispatchMode):
 
             frames = traceback.extract_stack()
             if not any("/torch/optim/" in f.filename for f in frames) and not any(
-                    f.filename.endswith("recover/_state.py") and f.name == "finite" for f in frames):
+                    f.filename.endswith("recover/hostcopy.py") and f.name == "finite" for f in frames):
                 self.where.append(" <- ".join(f"{f.name}" for f in frames[-6:]))
         return func(*args, **(kwargs or {}))
 

@@ -18,7 +18,7 @@ from earlywarn.capture.grouping import build_layer_map
 from earlywarn.capture.hostread import HOST_WAITS, LateReader
 from earlywarn.events import Kind, Level
 from earlywarn.recover import Recovery, RecoveryConfig, ResumableLoader
-from earlywarn.recover._state import to_host
+from earlywarn.recover.hostcopy import to_host
 from earlywarn.recover.snapshot import capture_state
 from fixtures_models import MLP
 

@@ -312,9 +312,9 @@ def test_a_failed_write_keeps_training_and_the_last_good_checkpoints(tmp_path):
     kept = [c.step for c in ew.recovery.checkpoints.list()]
     assert kept and max(kept) < 12, kept  # the good ones stay
     assert ew.recovery.checkpoints.failures >= 3
-    failures = [e for e in ew.events if e.kind is Kind.CHECKPOINT and e.level == Level.WARNING]
+    failures = [e for e in ew.events if e.kind is Kind.CHECKPOINT_FAILED]
     assert failures and "No space left on device" in failures[0].message
-    written = [e for e in ew.events if e.kind is Kind.CHECKPOINT and e.signal != "checkpoint_failed"]
+    written = [e for e in ew.events if e.kind is Kind.CHECKPOINT]
     assert ew.counters["checkpoints"] == len(written) == len(kept)  # a failed write is not a checkpoint
     for c in ew.recovery.checkpoints.list():
         ew.recovery.checkpoints.load(c)  # every kept checkpoint loads
@@ -375,7 +375,7 @@ def test_resume_falls_back_from_a_truncated_newest_checkpoint_and_says_so(tmp_pa
     rec2 = Recovery(model2, opt2, cfg, loader=loader2, emit=events.append)
     with pytest.warns(RuntimeWarning, match=r"resuming from .*step-0000000004\.clean\.pt instead: .*step-0000000006\.clean\.pt"):
         assert rec2.resume() == 4
-    assert any(e.kind is Kind.RESUME and e.level == Level.WARNING for e in events)
+    assert any(e.kind is Kind.CHECKPOINT_FAILED and e.signal == "checkpoint_read" for e in events)
 
 
 @pytest.mark.parametrize("state", [42, {"model": "not a state dict"}, {"model": {"nope": torch.ones(1)}}])

@@ -1,4 +1,4 @@
-"""The detector's output on long replays, bit for bit as recorded (see tests/detector_golden.py):
+"""The detector's output on long replays as recorded (alerts exactly, values to ~1e-9; tests/detector_golden.py):
 a refactor must not move an alert or a bit of state; a rule change records new figures."""
 
 from __future__ import annotations

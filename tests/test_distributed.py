@@ -392,7 +392,7 @@ def scenario_dcp(rank: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from earlywarn.distributed import dcp_checkpoint_fns
-    from earlywarn.recover._state import encode_safe
+    from earlywarn.recover.safe import encode_safe
     from earlywarn.recover.checkpoint import FORMAT, VERSION, load_checkpoint
     from earlywarn.recover.snapshot import capture_state, restore_state
 

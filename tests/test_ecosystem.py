@@ -20,7 +20,8 @@ import earlywarn
 from earlywarn.capture.grouping import build_layer_map
 from earlywarn.events import Kind
 from earlywarn.recover import RecoveryConfig
-from earlywarn.recover._state import optimizer_tensors, restore_optimizer, to_host
+from earlywarn.recover.hostcopy import optimizer_tensors, to_host
+from earlywarn.recover.restore import restore_optimizer
 from earlywarn.recover.repair import repair_optimizer_state, scan_state
 from earlywarn.recover.snapshot import capture_state
 from fixtures_models import MLP

@@ -186,7 +186,7 @@ def test_a_loop_lr_ramp_is_rewound_and_trains_on_at_the_highest_lr_it_took(tmp_p
     assert out["halt"] is None and ew.step >= 150  # (without resync the loop's own count ends it earlier)
     first = out["reports"][0]
     assert first.lost_steps <= 50 and out["replayed"] == 0
-    held = [e for e in ew.events if e.kind is Kind.REWIND and e.signal == "lr_ceiling"]
+    held = [e for e in ew.events if e.kind is Kind.LR_HOLD]
     assert held and "a rise" in held[0].message and held[0].values["lr_ceiling"] > 0
     lr_at_target = 2e-2 * 1.08 ** (first.restored_step - 40)
     assert held[0].values["lr_ceiling"] == pytest.approx(lr_at_target, rel=1e-6)
@@ -201,7 +201,7 @@ def test_a_ramp_the_rewind_set_back_stays_held_by_the_ceiling_to_the_end(tmp_pat
     out = nanogpt_loop(tmp_path, steps=200, lr_ramp_from=40, opt_name="sgd", on_recurrence="lower_lr")
     ew = out["ew"]
     assert out["halt"] is None and ew.step == 200 and len(out["reports"]) == 1
-    lifted = [e for e in ew.events if e.signal == "lr_ceiling" and "no longer holds it down" in e.message]
+    lifted = [e for e in ew.events if e.kind is Kind.LR_RELEASE and e.signal == "lr_ceiling"]
     assert not lifted and ew.recovery.lr_ceiling.ceiling is not None
 
 
@@ -216,7 +216,7 @@ def test_an_lr_jump_that_stays_is_warmed_back_up_to_the_highest_rate_the_run_can
     opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
     ew = earlywarn.watch(model, opt, sinks=[], recovery=RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl")))
     _train_until(ew, model, opt, 220, lambda it: 2e-2 * (60.0 if it >= 62 else 1.0))
-    held = [e for e in ew.events if e.signal == "lr_ceiling" and e.kind is Kind.REWIND and e.level is Level.WARNING]
+    held = [e for e in ew.events if e.kind is Kind.LR_HOLD]
     assert [("a jump" in e.message, "a rise" in e.message) for e in held] == [(True, False), (False, True)]
     assert held[0].values["lr_ceiling"] == pytest.approx(2e-2) and "doubling every 10 calm steps" in held[0].message
     flat = held[1].values["lr_ceiling"]
@@ -268,7 +268,7 @@ def test_a_rewind_the_cooldown_suppresses_is_reported(tmp_path):
     except Halt:
         pass
     assert poisoned
-    notes = [e for e in ew.events if e.kind is Kind.REWIND and e.values.get("rewound") == 0.0]
+    notes = [e for e in ew.events if e.kind is Kind.NO_REWIND]
     assert notes and "cooldown" in notes[0].message and "PolicyConfig.rewind_cooldown" in notes[0].message
     assert ew.counters["rewinds"] == 1  # the second trigger got a note (or the halt), not a rewind
     ew.close()
@@ -392,7 +392,7 @@ def test_an_lr_jump_the_run_does_not_take_is_rewound_to_the_copy_taken_before_it
     assert reports, "the pulse was taken"
     first = reports[0]
     assert first.restored_step == 61 and first.lost_steps <= 5
-    held = [e for e in ew.events if e.signal == "lr_ceiling" and "a jump" in e.message]
+    held = [e for e in ew.events if e.kind is Kind.LR_HOLD and "a jump" in e.message]
     assert held and held[0].values["lr_ceiling"] == pytest.approx(2e-2)  # stepped at the LR it had survived
     ew.close()
 
@@ -558,7 +558,7 @@ def test_a_learning_rate_that_keeps_climbing_is_held_at_the_rate_the_run_trained
     twin, _ = _creeping_loop(False, tmp_path)
     bare, _ = _creeping_loop(False, tmp_path, creep_from=150)
     watched, ew = _creeping_loop(True, tmp_path, creep_from=150)
-    held = [e for e in ew.events if e.values.get("lr_ceiling") is not None]
+    held = [e for e in ew.events if e.kind is Kind.LR_HOLD]
     assert len(held) == 1 and held[0].values["lr_ceiling"] == pytest.approx(3e-3), [e.message for e in held]
     assert "crept up" in held[0].message and held[0].step < 200
     assert ew.counters["rewinds"] == 0 and ew.counters["skipped_steps"] == 0

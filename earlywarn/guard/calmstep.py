@@ -7,15 +7,17 @@ window were. A step whose statistics vector falls inside its bands -- one vector
 the layers' squared norms, a few scalar ones of the gradient norm, the loss, the user signals,
 the learning rate -- and on which nothing else is due (the watcher asks: no snapshot or
 checkpoint, the policy watching nothing, recovery quiet, no incident noted since the last
-metric row) is decided at once: its update is applied. What it would have fed is kept: its host
-vector, tag and learning rate.
+metric row, no repair left unfinished) is decided at once: its update is applied, and the
+policy's per-step bookkeeping (``Policy.calm(lr, loss)``, a few appends) is done then, so that
+a policy the step leaves watching (an LR creeping up) has the next step judged. What the
+detector and the trackers would have had is kept: the host vector, tag and learning rate.
 
 The kept steps are folded in later, in order, through the same detector: at the next step that
 is not inside its bands (then judged exactly as before, with the detector up to date), every
 ``window`` steps, and before anything that reads or changes what they feed -- an event or a
 counter, a snapshot or checkpoint (the detector's and the policy's state go through
 :class:`Current`), ``state_dict()``, ``flush()``, ``close()``. Folding a step gives the detector's
-state, the policy's per-step bookkeeping (``Policy.calm``) and the step's metric row exactly as
+state and the step's metric row exactly as
 observing it at once would: rows reach the trackers up to ``window`` steps late, each with the
 step it describes. A kept step that alerts when folded would mean bands that were not
 conservative: its alerts are still emitted (late), with a warning.
@@ -70,16 +72,26 @@ class CalmSteps:
         b = self._bands
         if b is not None:
             if self._inside(b, vals, tag, lr):
-                self.rows.append((vals, tag, lr))
+                self._keep(vals, tag, lr)
                 return True
             if b.taken == 0:
                 return False  # outside bands drawn from the current state: judged
         self.fold()
         b = self._draw(tag.step)
         if b is not None and self._inside(b, vals, tag, lr):
-            self.rows.append((vals, tag, lr))
+            self._keep(vals, tag, lr)
             return True
         return False
+
+    def _keep(self, vals: list[float], tag: StepTag, lr: float | None) -> None:
+        """A calm step: its row kept for the fold; the policy's bookkeeping done now (a few
+        appends), so that a policy it leaves :attr:`~earlywarn.policy.Policy.watching` (an LR
+        creeping up) has the next step judged, exactly as the step-by-step path asks it then."""
+        self.rows.append((vals, tag, lr))
+        policy = self.policy
+        policy.calm(math.nan if lr is None else lr, vals[self._n] if tag.loss_reported else math.nan)
+        if policy.watching:
+            self._bands = None  # the next step: folded in, no bands drawn (``quiet`` says 0), judged
 
     def judged(self) -> None:
         """A step was judged (the detector's state moved): the next bands are drawn afresh."""
@@ -111,8 +123,9 @@ class CalmSteps:
                       vals[n + 1] if self._scaler else None)
 
     def fold(self) -> None:
-        """Feed the kept steps to the detector (one block through its calm path) and the policy,
-        and their rows to the trackers, in order; the next bands are drawn afresh."""
+        """Feed the kept steps to the detector (one block through its calm path) and their rows
+        to the trackers, in order (the policy had each at its step: :meth:`_keep`); the next
+        bands are drawn afresh."""
         rows = self.rows
         if not rows or self._folding:
             return
@@ -125,9 +138,6 @@ class CalmSteps:
             alerts = self.detector.observe_calm(cols, scores)
             if alerts:
                 _not_calm(self.telemetry, alerts, cols)
-            calm = self.policy.calm
-            for _, _, lr in rows:
-                calm(math.nan if lr is None else lr)
             steps = cols.step.tolist()
             grad = cols.grad_norm.tolist()
             loss = [None] * len(rows) if cols.loss is None else cols.loss.tolist()

@@ -48,8 +48,19 @@ class WatchConfig:
     """Per-sink options keyed by sink name, e.g. ``{"wandb": {"project": "x"}}``."""
     metrics: MetricsConfig | None = None
     """Which metrics go to the sinks and how often per-layer series are logged."""
+    dry_run: bool = False
+    """Watch without acting: everything is detected, judged, alerted and logged, and what
+    earlywarn *would* have done (skip, clip, repair, rewind, learning rate held, halt) is reported
+    as the event it would have made -- its message opens with ``"would have (dry run): "``, its
+    ``values["dry_run"]`` is 1, and the trackers count it as ``would_<kind>`` -- but nothing is
+    done: every update is applied as the loop asks, no state is written, no learning rate changed,
+    nothing halts. The run's tensors are bit for bit those of the run without earlywarn. Snapshots
+    and checkpoints are still taken (they only read, and cost what they would). How a team adopts
+    earlywarn on a run that matters: watch it first, read what it would have done, then turn it on."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dry_run, bool):
+            raise ValueError(f"dry_run={self.dry_run!r}: use True (watch without acting) or False")
         if self.mode not in _MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {', '.join(_MODES)}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):

@@ -54,6 +54,7 @@ class Installation:
         self.optimizer = optimizer
         self.scaler = scaler
         self.fused = fused
+        self.dry_run = bool(watcher.config.dry_run)  # every update as the loop asks: no skip flag either
         self._sgd = isinstance(optimizer, torch.optim.SGD)  # (its first skipped fused step is special: _fused_step)
         self._flag_device = flag_device
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants, made once
@@ -73,6 +74,8 @@ class Installation:
     # -- what an update is -------------------------------------------------------------------------
     def update(self, skip: "bool | torch.Tensor", record: Any = None) -> PendingStep:
         """The update for a decided step: ``skip`` from the host (sync) or a device flag (async)."""
+        if self.dry_run:
+            return PendingStep(True, None, record)
         if isinstance(skip, torch.Tensor):
             return PendingStep(True, skip, record)
         if record is None:  # (sync mode: the two updates made once, as the flags are)

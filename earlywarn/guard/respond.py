@@ -2,17 +2,20 @@
 reports, the bad batch it quarantines, and the repair, rewind or halt it ends in.
 
 The watcher decides *when* (before or after the update, now or a step late); this module decides
-nothing and only does what the decision says, through :class:`earlywarn.recover.Recovery`.
+nothing and only does what the decision says, through :class:`earlywarn.recover.Recovery`. In a
+dry run (``watch(dry_run=True)``) it says what the decision would have done, each as the event it
+would have made, marked (``events.DRY_RUN``, ``values["dry_run"] = 1``), and does none of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NoReturn
 
 import numpy as np
 
-from earlywarn.events import Event, Kind, Level
+from earlywarn.events import DRY_RUN, Event, Kind, Level
 from earlywarn.guard.episode import Episode, onset
 from earlywarn.guard.judge import Decision
 from earlywarn.guard.statistics import SQ_OVERFLOW, StepStatistics, StepTag
@@ -32,19 +35,26 @@ class Responses:
         self.statistics = statistics
         self.scaler = scaler
         self._flush = flush
+        self._dry = False  # saying what a dry run's decision would have done (_would)
+
+    def _emit(self, event: Event) -> None:
+        if self._dry:
+            event = dataclasses.replace(event, message=DRY_RUN + event.message,
+                                        values={**event.values, "dry_run": 1.0})
+        self.telemetry.emit(event)
 
     # -- before the update ---------------------------------------------------------------------------
     def announce(self, decision: Decision, tag: StepTag) -> None:
         """The step's alerts; a rewind the policy wanted and did not take (and why); a halt; a
         warning checkpoint, taken now, before this step's update, while the run is still clean."""
         for alert in decision.alerts:
-            self.telemetry.emit(alert)
+            self._emit(alert)
         for note in decision.policy.suppressed:
-            self.telemetry.emit(Event(
-                step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="policy",
+            self._emit(Event(
+                step=tag.run_step, kind=Kind.NO_REWIND, level=Level.WARNING, signal="policy",
                 message=f"{note}: not rewinding; "
                         + ("the step is skipped" if decision.skip else "the step is applied as usual"),
-                values={"rewound": 0.0}, batch=_batch_index(tag)))
+                values={"skipped": float(decision.skip)}, batch=_batch_index(tag)))
         if decision.halt:
             reason = _reason(decision)
             why = (self.recovery.recurrence_of(tag.step, reason) or self.recovery.lr_trend(tag.step)).rstrip(".")
@@ -60,16 +70,51 @@ class Responses:
             self.recovery.checkpoint(tag.step, reason="lr_jump", clean=decision.clean_before)
         elif decision.checkpoint:
             self.recovery.checkpoint(tag.step, reason="warning")  # its CHECKPOINT event comes from recovery
+        if decision.would is not None:
+            self._would(decision, tag)
+
+    def _would(self, decision: Decision, tag: StepTag) -> None:
+        """A dry run: each thing the decision would have done, as the event it would have made
+        (marked), and none of it done -- no skip, clip, repair, rewind, learning rate or halt."""
+        d = dataclasses.replace(decision, policy=decision.would, skip=decision.would_skip, would=None)
+        self._dry = True
+        try:
+            for note in d.policy.suppressed:
+                self._emit(Event(step=tag.run_step, kind=Kind.NO_REWIND, level=Level.WARNING, signal="policy",
+                                 message=f"{note}: not rewinding", values={"skipped": float(d.skip)},
+                                 batch=_batch_index(tag)))
+            if d.halt:
+                self._emit(Event(step=tag.run_step, kind=Kind.HALT, level=Level.CRITICAL, batch=_batch_index(tag),
+                                 message=f"policy halted the run at step {tag.run_step}: "
+                                         f"{d.policy.halt_reason or 'configured'}"))
+            if d.policy.lr_hold is not None:
+                self.hold_lr(d, tag, d.policy.lr_hold, jump=False)
+            elif d.policy.lr_ceiling is not None:
+                self.hold_lr(d, tag, d.policy.lr_ceiling, jump=True)
+            if d.repair:
+                self.recovery.repair(tag.step, scan=d.scan)  # says what it would have repaired (Recovery.dry_run)
+            elif d.restores:
+                self._emit(Event(step=tag.run_step, kind=Kind.REWIND, level=Level.CRITICAL, signal=_reason(d),
+                                 message=f"{_reason(d)}: rewound to the newest clean snapshot from before the "
+                                         "incident, the batches since it never trained again",
+                                 batch=_batch_index(tag)))
+            elif d.policy.clip_factor is not None:
+                self.clip(d, tag)
+            elif d.skip:
+                self._skip_event(d, tag)
+        finally:
+            self._dry = False
 
     # -- a clipped step -------------------------------------------------------------------------------
     def clip(self, decision: Decision, tag: StepTag) -> None:
         """An outlier in a long run of them, or a large one where an idle part trains again: its
         gradients are scaled down before the update."""
         factor = decision.policy.clip_factor
-        self.statistics.scale_gradients(factor)
+        if not self._dry:
+            self.statistics.scale_gradients(factor)
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
-        self.telemetry.emit(Event(
+        self._emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
             message=(f"outlier gradient ({ratio:.3g}x its typical norm), "
@@ -115,6 +160,8 @@ class Responses:
             where = f" in {out.layers[0]!r} (first to move)" if out.layers else ""
             what = (f"outlier gradient{where}: norm {obs.grad_norm:.3g}, {out.values.get('ratio', math.nan):.3g}x "
                     "its typical norm")
+        elif self.recovery.unrepaired is not None:  # a rewind the policy did not grant yet
+            what = f"optimizer state a repair left non-finite ({self.recovery.unrepaired.after.summary()}), no rewind yet"
         elif decision.overflow:
             huge = self.statistics.in_backward_order(np.flatnonzero(obs.layer_norms ** 2 > SQ_OVERFLOW))
             what = (f"huge finite gradient in {self.telemetry.layer_names[huge[0]]!r} (norm {obs.grad_norm:.3g}: its "
@@ -135,7 +182,7 @@ class Responses:
             level = Level.INFO
         else:
             action = "optimizer step skipped, params and optimizer state untouched"
-        self.telemetry.emit(Event(
+        self._emit(Event(
             step=tag.run_step, kind=Kind.SKIP, level=level, message=f"{what} from {batch}: {action}",
             signal="grad_norm", layers=tuple(bad),
             values={"grad_norm": obs.grad_norm if obs.grad_norm is not None else math.nan},
@@ -196,15 +243,16 @@ class Responses:
         at its rate); after a rise or a creep it stays flat."""
         if ceiling is None:
             return
-        self.recovery.hold_lr(ceiling, rewarm=jump)
+        if not self._dry:
+            self.recovery.hold_lr(ceiling, rewarm=jump)
         how = f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump else ""
         how += " while the loop's learning rate stays above it"
         if decision.policy.lr_hold is not None:
             what, rate = "it crept up, step after step", "the rate the run trained at before it began to rise"
         else:
             what, rate = ("a jump" if jump else "a rise"), "the highest it had run at calmly"
-        self.telemetry.emit(Event(
-            step=tag.run_step, kind=Kind.REWIND, level=Level.WARNING, signal="lr_ceiling",
+        self._emit(Event(
+            step=tag.run_step, kind=Kind.LR_HOLD, level=Level.WARNING, signal="lr_ceiling",
             message=(f"the learning rate led the run into this ({what}): "
                      f"earlywarn steps at no more than {ceiling:.3g} ({rate}){how}"),
             values={"lr_ceiling": ceiling}, batch=_batch_index(tag)))
@@ -239,8 +287,8 @@ class Responses:
         return self.recovery.blame(responsible, layer=layer, symptom=symptom, symptom_step=tag.step, role=role)
 
     def halt(self, tag: StepTag, message: str, cause: BaseException | None = None) -> NoReturn:
-        self.telemetry.emit(Event(step=tag.run_step, kind=Kind.HALT, level=Level.CRITICAL, message=message,
-                                  batch=_batch_index(tag)))
+        self._emit(Event(step=tag.run_step, kind=Kind.HALT, level=Level.CRITICAL, message=message,
+                         batch=_batch_index(tag)))
         self._flush()
         raise Halt(message, step=tag.step, reason=cause.reason if isinstance(cause, Halt) else "policy") from cause
 

@@ -23,7 +23,7 @@ from earlywarn.capture.hostread import LateReader, SyncReader
 from earlywarn.capture.updates import learning_rate
 from earlywarn.detect import Observation
 from earlywarn.metrics import sanitize_key
-from earlywarn.recover._state import fence_copies
+from earlywarn.recover.hostcopy import fence_copies
 from earlywarn.recover.statecheck import StateCheck
 
 # A finite gradient whose square overflows float32 poisons every second-moment state (Adam's v,

@@ -116,11 +116,13 @@ class Telemetry:
         self.events.append(event)
         if event.kind in ALERT_KINDS:
             self.count(f"alerts_{event.level}")
-        written = event.kind is Kind.CHECKPOINT and event.signal != "checkpoint_failed"
+        written = event.kind is Kind.CHECKPOINT
         if written:  # periodic and on-warning alike: every checkpoint written counts
             self.count("checkpoints")
         if event.kind is Kind.REPAIR and event.values.get("repaired", 0.0) > 0:
             self.count("repaired_steps")  # whichever path found the poison (a step's check, a snapshot's flag, a bad batch)
+        if event.values.get("dry_run"):
+            self.count(f"would_{event.kind}")  # watch(dry_run=True): what it would have done, once each
         # The step's alert_level is the worst of its events, whatever a rewind restores later.
         self.levels.note(event.kind, event.level, event.step)
         for sink in self.sinks:

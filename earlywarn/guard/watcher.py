@@ -96,8 +96,9 @@ class Watcher:
             # Our own bookkeeping follows the judgement of a step (late in async mode), not its update.
             late_state=("earlywarn_detector", "earlywarn_policy", "earlywarn_watcher"))
         self.statistics.effective_lr = self.recovery.effective_lr
-        self.judge = Judge(self._detector, self._policy, self.recovery.scan, scaler=self.scaler is not None,
-                           late=self.mode == "async")
+        self.recovery.dry_run = config.dry_run
+        self.judge = Judge(self._detector, self._policy, self.recovery, scaler=self.scaler is not None,
+                           late=self.mode == "async", dry_run=config.dry_run)
         self.responses = Responses(self.recovery, self.telemetry, self.statistics, scaler=self.scaler is not None,
                                    flush=self.flush)
         self.episode = Episode(self.recovery.config.clean_window)

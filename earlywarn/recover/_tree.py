@@ -31,9 +31,15 @@ def leaves(tree: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
 
 
 def at(tree: Any, path: Path) -> Any:
-    """The value at ``path`` in ``tree``, or None where the path does not exist."""
+    """The value at ``path`` in ``tree``, or None where the path does not exist. A tensor
+    subclass's inner tensor is at its attribute name (``recover/forms.py``: ``state_leaves``)."""
     for k in path:
-        if isinstance(tree, dict):
+        if isinstance(tree, torch.Tensor) and isinstance(k, str) and hasattr(type(tree), "__tensor_flatten__"):
+            tree = getattr(tree, "_local_tensor", tree)  # a DTensor: its local shard's
+            if k not in tree.__tensor_flatten__()[0]:
+                return None
+            tree = getattr(tree, k)
+        elif isinstance(tree, dict):
             if k not in tree:
                 return None
             tree = tree[k]

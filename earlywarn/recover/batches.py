@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ._state import local
+from .forms import local
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ..events import Level
-from ._state import local, state_bytes
+from .forms import local
+from .hostcopy import state_bytes
 from .frozen import frozen_bytes, frozen_refs
 from .holders import has_state, state_view, stepper
 

@@ -39,7 +39,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ._state import HostCopy, decode_safe, distributed_rank, encode_safe, to_host
+from .forms import distributed_rank
+from .hostcopy import HostCopy, to_host
+from .safe import decode_safe, encode_safe
 from .errors import CheckpointError
 
 FORMAT = "earlywarn.checkpoint"

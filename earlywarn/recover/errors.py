@@ -27,3 +27,8 @@ class FingerprintMismatch(DataPositionError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, found or read."""
+
+
+class UnreadableState(RuntimeError):
+    """A state tensor no copy can read (a tensor subclass without ``__tensor_flatten__``;
+    ``recover/forms.py``): the copy that met it is given up."""

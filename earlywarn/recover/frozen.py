@@ -28,7 +28,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ._state import HostCopy, local, state_bytes
+from .forms import local
+from .hostcopy import HostCopy, state_bytes
 from ._tree import leaves
 
 _MOVING = -1
@@ -95,7 +96,7 @@ class FrozenRefs:
 
     def shared(self, model: torch.nn.Module, sd: Mapping[str, Any]) -> set[int]:
         """ids of the ``sd`` values (a ``model.state_dict()``) that are frozen parameters never
-        written since first seen: what :func:`~earlywarn.recover._state.to_host` keeps as it is."""
+        written since first seen: what :func:`~earlywarn.recover.hostcopy.to_host` keeps as it is."""
         self._check(self._refs)  # the references no optimizer step looks at, too
         ids: set[int] = set()
         scan: dict[tuple, torch.nn.Parameter] = {}  # frozen ones not found under their names

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._tree import leaves
+from .forms import state_leaves
 
 _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
 # one view per optimizer (hooks and copy plans keyed by it stay put), kept beside it, not in it:
@@ -187,7 +187,7 @@ class ZeroState:
     def agreed_state(self) -> tuple[dict[Any, Any], dict[int, int]]:
         params = [p for g in self.zero.param_groups for p in g["params"]]
         own = self.local.state
-        layout = {i: [(path, v.dtype, v.numel()) for path, v in leaves(own[p]) if _checkable(v)]
+        layout = {i: [(path, v.dtype, v.numel()) for path, v in state_leaves(own[p]) if _checkable(v)]
                   for i, p in enumerate(params) if p in own}
         world = torch.distributed.get_world_size()
         every: list[Any] = [None] * world
@@ -201,7 +201,7 @@ class ZeroState:
         for i, p in enumerate(params):
             if p in own:
                 state[p] = own[p]
-                once.update((id(v), v.numel()) for _, v in leaves(own[p]) if _checkable(v))
+                once.update((id(v), v.numel()) for _, v in state_leaves(own[p]) if _checkable(v))
             elif i in held:
                 stand_in: dict[Any, Any] = {}
                 for path, dtype, numel in held[i]:

@@ -41,9 +41,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from ..capture.updates import learning_rate
-from ..events import Event, Kind, Level
+from ..events import DRY_RUN, Event, Kind, Level
 from . import rewind as _rewind
-from ._state import distributed_rank, fence_copies
+from .forms import distributed_rank, refusal
+from .holders import state_of, state_view
+from .hostcopy import fence_copies
 from .checkpoint import CheckpointManager, load_checkpoint
 from .config import SINCE_SNAPSHOT, RecoveryConfig
 from .data import BatchFingerprints, BatchRef, DataPositionAdapter, _Unrestorable, data_position_adapter
@@ -95,6 +97,11 @@ class Recovery:
         run_step: Callable[[int], int] = int,
     ) -> None:
         self.config = cfg = config if config is not None else RecoveryConfig()
+        # state no copy can read (a tensor subclass outside torch's traceable protocol): refused here
+        # while snapshots or checkpoints would copy it, never met as an error inside a step
+        why = refusal(optimizer, state_of(state_view(optimizer)), copies=bool(cfg.every or cfg.checkpoint_dir))
+        if why is not None:
+            raise ValueError(why)
         self.live = _live_state(model, optimizer, scheduler, scaler, extra_state, keep_on_rewind, late_state)
         self.emit = emit
         self.run_step = run_step
@@ -118,6 +125,12 @@ class Recovery:
         self.lr_ceiling = LrCeiling(optimizer)
         self.rewinds = 0
         self.repairs = 0
+        self.unrepaired: RepairReport | None = None
+        """The last repair left the optimizer state (or parameters) non-finite: no update may read
+        it, the watcher rewinds first. A rewind or a repair that made everything finite clears it."""
+        self.dry_run = False
+        """Watch without acting (``watch(dry_run=True)``): :meth:`repair` scans and says what it
+        would have done; nothing is written."""
 
     # -- the parts, as the watcher, tests and tools know them ------------------------------------
     @property
@@ -192,12 +205,12 @@ class Recovery:
         lr = learning_rate(self.optimizer)
         taken = self.effective_lr(lr)  # what this step stepped with (before a warming ceiling rises)
         if self.lr_ceiling.after_step(lr, calm=clean and not building):
-            self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_ceiling",
+            self.emit(Event(step=step, kind=Kind.LR_RELEASE, level=Level.INFO, signal="lr_ceiling",
                             message=f"the loop's learning rate has stayed within {self.lr_ceiling.release:g}x earlywarn's "
                                     f"ceiling for {self.lr_ceiling.settle} steps: earlywarn no longer holds it down",
                             values={"lr_ceiling": math.nan}))
         if self.recurrence.after_step(step, taken, clean=clean):
-            self.emit(Event(step=step, kind=Kind.REWIND, level=Level.INFO, signal="lr_factor",
+            self.emit(Event(step=step, kind=Kind.LR_RELEASE, level=Level.INFO, signal="lr_factor",
                             message=f"the lowered learning rate ended after {self.config.recurrence_lr_steps} "
                                     "steps: the optimizer steps at the loop's learning rate again",
                             values={"lr_factor": 1.0}))
@@ -206,9 +219,11 @@ class Recovery:
     def quiet_steps(self, step: int, k: int, *, clean: Callable[[int], bool], building: Callable[[int], bool]) -> int:
         """How many of the ``k`` steps from ``step`` on have nothing for :meth:`after_step` to do
         but record the step (the guard's calm steps): no snapshot or checkpoint due or in flight,
-        no learning-rate ceiling or lowered learning rate in force, no episode open. ``clean`` /
+        no learning-rate ceiling or lowered learning rate in force, no episode open, no repair
+        left unfinished (:attr:`unrepaired`). ``clean`` /
         ``building``: what :meth:`after_step` would be told of each step."""
-        if self.lr_ceiling.ceiling is not None or not self.recurrence.quiet or self.copying:
+        if self.lr_ceiling.ceiling is not None or not self.recurrence.quiet or self.copying \
+                or self.unrepaired is not None:  # (a repair left state non-finite: the next update is the judge's)
             return 0
         seen = self.history.last_step
         due, window = self.snapshots.due, self.window
@@ -242,10 +257,7 @@ class Recovery:
         if scan.clean:
             return
         seen = self.history.last_step
-        if self.config.repair:
-            self.repair(seen if seen is not None else snap_step, scan=scan)
-        else:
-            self.window.incident(seen)
+        self.repair(seen if seen is not None else snap_step, scan=scan)  # (repair disabled: said, and rewound)
 
     def checkpoint(self, step: int, reason: str, *, clean: bool = False) -> str | None:
         """Save now, e.g. on a warning while parameters are still finite. Kept as *unclean*
@@ -305,8 +317,18 @@ class Recovery:
         fence_copies()  # and none may still be reading what the repair writes
         scan = scan if scan is not None else self.scan()
         if scan.clean:
+            self.unrepaired = None
             return RepairReport(scan, [], [], scan, step)
         cfg = self.config
+        if self.dry_run:
+            self.emit(Event(step=step, kind=Kind.REPAIR, level=Level.CRITICAL, signal="optimizer_state",
+                            message=f"{DRY_RUN}repaired {scan.summary()}" if cfg.repair else
+                                    f"{DRY_RUN}found {scan.summary()} (repair disabled)",
+                            layers=tuple(dict.fromkeys(f.name for f in scan.flags)),
+                            values={"tensors": float(len(scan.flags)),
+                                    "elements": float(sum(f.nonfinite for f in scan.flags)), "ok": 0.0,
+                                    "repaired": 0.0, "dry_run": 1.0}))
+            return RepairReport(scan, [], [], scan, step)
         if not cfg.repair:
             report = RepairReport(scan, [], [], scan, step)
         else:
@@ -319,8 +341,10 @@ class Recovery:
                 baseline=self.baseline,
             )
             self.repairs += 1
-            if incident:
-                self.window.incident(step)
+        if incident:
+            self.window.incident(step)
+        left = report.after if report.after is not None else scan
+        self.unrepaired = report if left.state or left.params else None
         values = {"tensors": float(len(scan.flags)), "elements": float(sum(f.nonfinite for f in scan.flags)),
                   "ok": float(report.ok), "repaired": float(len(report.repaired))}
         self.emit(Event(step=step, kind=Kind.REPAIR, level=Level.WARNING if report.ok else Level.CRITICAL,
@@ -356,8 +380,10 @@ class Recovery:
         ``known_finite``: the incident's loss and gradients were finite -- a divergence -- so the
         weights that produced them are too, and no NaN/Inf needs looking for). The phases are
         in :mod:`earlywarn.recover.rewind`."""
-        return _rewind.rewind(self, step, reason, blame=_blame_dict(blame, self.run_step), onset=onset, scan=scan,
-                              known_finite=known_finite)
+        report = _rewind.rewind(self, step, reason, blame=_blame_dict(blame, self.run_step), onset=onset, scan=scan,
+                                known_finite=known_finite)
+        self.unrepaired = None  # the restored state was finite when copied
+        return report
 
     def recurrence_of(self, step: int, reason: str) -> str | None:
         """The diagnosis of an incident at ``step`` if it is a recurrence (a rewind's episode is
@@ -452,6 +478,7 @@ class Recovery:
                 "of this model") from e
         self.history.reset(step)
         self.snapshots.resumed(step)
+        self.unrepaired = None
         self.emit(Event(step=step, kind=Kind.RESUME, level=Level.INFO,
                         message=f"resumed from {path} at step {self.run_step(step)}", signal="resume"))
         return step
@@ -474,7 +501,8 @@ class Recovery:
                 msg = (f"resuming from {info.path} instead: the newer checkpoint(s) could not be read: "
                        + "; ".join(errors))
                 warnings.warn(f"earlywarn: {msg}", RuntimeWarning, stacklevel=3)
-                self.emit(Event(step=info.step, kind=Kind.RESUME, level=Level.WARNING, message=msg, signal="resume"))
+                self.emit(Event(step=info.step, kind=Kind.CHECKPOINT_FAILED, level=Level.WARNING, message=msg,
+                                signal="checkpoint_read", values={"failures": float(len(errors))}))
             return info.path, payload
         raise CheckpointError(f"no readable clean checkpoint in {self.checkpoints.directory}: " + "; ".join(errors))
 

@@ -47,9 +47,10 @@ from typing import Any, Mapping
 
 import torch
 
-from ._state import local
-from ._tree import at, leaf_name, leaves, path_name
-from .holders import _checkable, agreed_state
+from .forms import local, state_leaves, write_back
+from .forms import values as values_of
+from ._tree import at, leaf_name, path_name
+from .holders import _checkable, agreed_state, state_view
 from .scan import (  # noqa: F401 - re-exported: the scan's types are part of this module's API
     FiniteBaseline,
     Flag,
@@ -162,7 +163,15 @@ def _snapshot_trees(snapshot: Any) -> tuple[Mapping[str, Any] | None, Mapping[st
 
 
 def _snap_tensor(t: Any) -> torch.Tensor | None:
-    return local(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it
+    return values_of(t) if isinstance(t, torch.Tensor) else None  # this rank's shard of it, plain
+
+
+def _layout(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, tuple]]:
+    """Where each live state tensor sits in the optimizer's own ``state_dict()`` -- what a
+    snapshot holds -- by identity: ``id -> (parameter index, path)``. Its layout need not be
+    the live one (bitsandbytes nests its quantization state under a key of its own)."""
+    sd = state_view(optimizer).state_dict()
+    return {id(t): (i, path) for i, st in sd.get("state", {}).items() for path, t in state_leaves(st)}
 
 
 def repair_optimizer_state(
@@ -223,6 +232,7 @@ def _plan(optimizer: torch.optim.Optimizer, state_map: Any, once: dict[int, int]
     """Per poisoned parameter: its mask (the union over it and its same-shaped state), where each
     tensor would be repaired from, and the device counts the decisions need."""
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    layout = _layout(optimizer) if snap_opt is not None else {}
     counts: list[torch.Tensor | int] = []
     plans: list[dict[str, Any]] = []
     device: torch.device | None = None
@@ -233,30 +243,34 @@ def _plan(optimizer: torch.optim.Optimizer, state_map: Any, once: dict[int, int]
             p, _, raw = scan._refs[(name, None)]
             pl = local(p)
             device = device if device is not None else pl.device
-            state = [(path, v) for path, v in leaves(state_map.get(p, {})) if _checkable(v) or id(v) in once]
+            state = [(path, v, values_of(v)) for path, v in state_leaves(state_map.get(p, {}))
+                     if _checkable(v) or id(v) in once]
             mask = ~torch.isfinite(pl)
-            for _, v in state:
+            for _, v, vl in state:
                 if _same_shape(v, p):
-                    mask |= ~torch.isfinite(local(v))
+                    mask |= ~torch.isfinite(vl)
             pflag = next((f for f in scan.params if f.name == name), None)
             psrc = _snap_tensor(snap_model.get(raw)) if snap_model is not None else None
             psrc = psrc if psrc is not None and psrc.shape == pl.shape else None
             plan: dict[str, Any] = {"name": name, "p": pl, "pflag": pflag, "psrc": psrc, "at": len(counts), "keys": []}
             counts.append(int(pflag is not None and psrc is None))  # no snapshot of the parameter
-            saved = snap_opt.get("state", {}).get(index.get(id(p)), {}) if snap_opt is not None else None
-            for path, v in state:
-                plan["keys"].append(_plan_tensor(path, v, mask if _same_shape(v, p) else None, saved,
+            saved = snap_opt.get("state", {}) if snap_opt is not None else None
+            for path, v, vl in state:
+                src = None
+                if saved is not None:  # the snapshot's copy, found where the optimizer's state_dict() put it
+                    i, spath = layout.get(id(v), (index.get(id(p)), path))
+                    src = _snap_tensor(at(saved.get(i), spath))
+                plan["keys"].append(_plan_tensor(path, v, vl, mask if _same_shape(v, p) else None, src,
                                                  reset_state, counts))
             plans.append(plan)
     return plans, counts, device
 
 
-def _plan_tensor(path: tuple, v: torch.Tensor, mask: torch.Tensor | None, saved: Any, reset_state: bool,
-                 counts: list[torch.Tensor | int]) -> dict[str, Any]:
+def _plan_tensor(path: tuple, v: torch.Tensor, vl: torch.Tensor, mask: torch.Tensor | None,
+                 src: torch.Tensor | None, reset_state: bool, counts: list[torch.Tensor | int]) -> dict[str, Any]:
+    """``vl``: ``v``'s values (``forms.values``: ``v``, its shard, a subclass dequantized); ``src``: the snapshot's (None: it holds none)."""
     rule = reset_rule(path)
-    vl = local(v)
     kmask = mask if mask is not None else ~torch.isfinite(vl)
-    src = _snap_tensor(at(saved, path)) if saved is not None else None
     want_snap = src is not None and (not reset_state or rule is None)
     if want_snap and src.shape == vl.shape:
         src = src.to(vl.device, vl.dtype)
@@ -291,7 +305,7 @@ def _reset_values(state_map: Any, once: dict[int, int], plans: list[dict[str, An
     with torch.no_grad():
         for path in fallback.values():
             wide = torch.float32 if device.type == "mps" else torch.float64
-            best = [_finite_abs_max(local(at(st, path))).to(device, wide)
+            best = [_finite_abs_max(values_of(at(st, path))).to(device, wide)
                     for st in state_map.values() if _checkable(at(st, path))]
             maxima.append(torch.stack(best).amax() if best else torch.full((), -math.inf, dtype=wide, device=device))
     got = agree.max(maxima, device) if device is not None else []
@@ -339,6 +353,13 @@ def _write_state(plan: dict[str, Any], values: dict[str, float], repaired: list[
                 repaired.append(RepairAction(name, k, count, "finite_max", value))
         else:
             unrepaired.append(RepairAction(name, k, count, "none", reason=f"no reset rule for state {k!r} and no snapshot holding it"))
+            continue
+        try:
+            write_back(e["v"], vl)  # a subclass's values were a copy (forms.py): its own copy_ takes them
+        except (NotImplementedError, RuntimeError, TypeError) as exc:
+            done = repaired.pop()
+            unrepaired.append(RepairAction(name, k, count, "none", reason=f"its {type(e['v']).__name__} takes no "
+                                           f"copy_ of repaired values ({type(exc).__name__}); {done.action} not written"))
 
 
 def _write_buffers(scan: StateScan, snap_model: Any, repaired: list[RepairAction],

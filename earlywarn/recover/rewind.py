@@ -17,21 +17,51 @@ Steps are the training trajectory's; the steps a message names are on the run's 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
 
 from ..events import Event, Kind, Level
-from .config import SINCE_SNAPSHOT
-from .data import ResumableAdapter
+from .config import SINCE_SNAPSHOT, RecoveryConfig
+from .data import DataPositionAdapter, ResumableAdapter
 from .errors import DataPositionError, Halt
+from .history import BatchHistory
+from .quarantine import Quarantine
 from .records import QuarantineRecord, RewindReport, _capital, _ranges, _record_key
+from .recurrence import Recurrence
 from .repair import StateScan
+from .snapshots import LiveState, SnapshotKeeper
 from .target import Target, pick_target
-
-if TYPE_CHECKING:
-    from .recovery import Recovery
+from .window import CleanWindow
 
 
-def rewind(rec: "Recovery", step: int, reason: str, *, blame: dict[str, Any] | None, onset: int | None,
+class Rewinding(Protocol):
+    """What a rewind reads and writes of the recovery layer (:class:`~earlywarn.recover.Recovery`
+    is one): its parts, and the few answers it gives."""
+
+    config: RecoveryConfig
+    live: LiveState
+    data: DataPositionAdapter
+    history: BatchHistory
+    window: CleanWindow
+    snapshots: SnapshotKeeper
+    quarantine_log: Quarantine
+    recurrence: Recurrence
+    rewinds: int
+    emit: Callable[[Event], None]
+    run_step: Callable[[int], int]
+
+    @property
+    def quarantine_path(self) -> Path: ...
+
+    @property
+    def lr_factor(self) -> float: ...
+
+    def scan(self) -> StateScan: ...
+
+    def recurrence_of(self, step: int, reason: str) -> str | None: ...
+
+
+def rewind(rec: Rewinding, step: int, reason: str, *, blame: dict[str, Any] | None, onset: int | None,
            scan: StateScan | None, known_finite: bool) -> RewindReport:
     """See :meth:`Recovery.rewind` (``blame``: its record, messages on the run's clock already)."""
     if not rec.config.rewind:
@@ -64,7 +94,7 @@ def halt(step: int, message: str, reason: str) -> Halt:
     return Halt(message, step=step, reason=reason)
 
 
-def escalate(rec: "Recovery", step: int, reason: str) -> str | None:
+def escalate(rec: Rewinding, step: int, reason: str) -> str | None:
     """The diagnosis when the incident at ``step`` is a recurrence (``None`` when it is not);
     raises :class:`Halt` when it may not be rewound again."""
     cfg = rec.config
@@ -85,7 +115,7 @@ def escalate(rec: "Recovery", step: int, reason: str) -> str | None:
     return diagnosis
 
 
-def choose_target(rec: "Recovery", step: int, reason: str, onset: int | None, *, poisoned: bool) -> Target:
+def choose_target(rec: Rewinding, step: int, reason: str, onset: int | None, *, poisoned: bool) -> Target:
     """The copy to restore (raises :class:`Halt` when there is none)."""
     ep = rec.recurrence.episode
     target = pick_target(rec.snapshots.candidates(step), step, onset, ep.first_target if ep is not None else None,
@@ -96,7 +126,7 @@ def choose_target(rec: "Recovery", step: int, reason: str, onset: int | None, *,
     return target
 
 
-def move_data(rec: "Recovery", step: int, reason: str, state: Mapping[str, Any], *,
+def move_data(rec: Rewinding, step: int, reason: str, state: Mapping[str, Any], *,
               in_flight: bool) -> list[Any] | None:
     """Move the loader to where training goes on; returns the batches it skipped (``None``:
     positions unknown). Raises :class:`Halt` when the data cannot be moved as configured."""
@@ -116,7 +146,7 @@ def move_data(rec: "Recovery", step: int, reason: str, state: Mapping[str, Any],
         raise halt(step, f"{at}; cannot rewind the data exactly: {e}", "data_position") from e
 
 
-def restore(rec: "Recovery", state: Mapping[str, Any]) -> bool:
+def restore(rec: Rewinding, state: Mapping[str, Any]) -> bool:
     """Put the state back in place with no gradients (the current step's belong to the abandoned
     trajectory: they must not be applied). Returns whether the global RNGs were restored."""
     cfg = rec.config
@@ -127,7 +157,7 @@ def restore(rec: "Recovery", state: Mapping[str, Any]) -> bool:
     return bool(rng)
 
 
-def forget_after(rec: "Recovery", target: int, step: int, reason: str, refs: list[Any] | None, *, last: int,
+def forget_after(rec: Rewinding, target: int, step: int, reason: str, refs: list[Any] | None, *, last: int,
                  live_lr: float | None) -> list[QuarantineRecord]:
     """The steps after ``target`` never happened: their copies, batches and clean-window marks go,
     their batches are quarantined (returned), the episode counts the rewind."""
@@ -143,7 +173,7 @@ def forget_after(rec: "Recovery", target: int, step: int, reason: str, refs: lis
     return records
 
 
-def announce(rec: "Recovery", step: int, reason: str, target: Target, source: str, records: list[QuarantineRecord],
+def announce(rec: Rewinding, step: int, reason: str, target: Target, source: str, records: list[QuarantineRecord],
              *, rng: bool, diagnosis: str | None, blame: dict[str, Any] | None, scan: StateScan) -> RewindReport:
     """The rewind's message (its steps on the run's clock), report and events."""
     cfg, run = rec.config, rec.run_step

@@ -38,8 +38,8 @@ import torch
 from earlywarn.capture.gradstats import _copy_weight
 from earlywarn.capture.grouping import _wrapper_prefix, user_name
 
-from ._state import is_dtensor, local
-from ._tree import leaves, path_name
+from .forms import is_dtensor, local, state_leaves, values
+from ._tree import path_name
 from .holders import _checkable, agreed_state
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ def scan_state(
             entries.append((name, None, p, p))
             param_numel += p.numel()
         if optimizer is not None:
-            for path, v in leaves(state.get(p, {})):  # nested state too (heavyball)
+            for path, v in state_leaves(state.get(p, {})):  # nested state too (heavyball), subclasses (forms.py)
                 if _checkable(v) or id(v) in once:
                     entries.append((name, path_name(path), p, v))
     if model is not None:
@@ -311,14 +311,15 @@ def scan_state(
     with torch.no_grad():
         plain = [i for i in range(len(entries)) if i not in legit]
         exact = [i for i in range(len(entries)) if i in legit]
-        first = _norms_bad([local(entries[i][3]) for i in plain]) + [_counts(local(entries[i][3]), legit[i]) for i in exact]
+        vals = [values(e[3]) for e in entries]  # plain tensors: a local shard, a subclass dequantized
+        first = _norms_bad([vals[i] for i in plain]) + [_counts(vals[i], legit[i]) for i in exact]
         got = _read(agree, first, entries)
         suspect = [i for i, bad in zip(plain, got[: len(plain)]) if bad]
         counts: dict[int, tuple[int, int]] = {}
         for k, i in enumerate(exact):
             counts[i] = got[len(plain) + k]
         if suspect:  # rare: the exact counts, in one more read (every rank took this branch alike)
-            for i, c in zip(suspect, _read(agree, [_counts(local(entries[i][3]), None) for i in suspect], entries)):
+            for i, c in zip(suspect, _read(agree, [_counts(vals[i], None) for i in suspect], entries)):
                 counts[i] = c
     for i, (_, _, _, t) in enumerate(entries):
         if agree.world > 1 and i in counts and id(t) not in once:  # a replicated element was counted by each of its holders

@@ -30,18 +30,10 @@ from typing import Any, Mapping
 
 import torch
 
-from ._state import (
-    HostCopy,
-    call_state_dict,
-    capture_rng,
-    clone_tree,
-    distributed_rank,
-    restore_model,
-    restore_optimizer,
-    restore_rng,
-    optimizer_tensors,
-    to_host,
-)
+from .forms import distributed_rank
+from .hostcopy import HostCopy, clone_tree, optimizer_tensors, to_host
+from .restore import call_state_dict, restore_model, restore_optimizer
+from .rng import capture_rng, restore_rng
 from ._tree import at, leaves, same_structure
 from .frozen import frozen_refs, owned_bytes
 from .holders import state_view

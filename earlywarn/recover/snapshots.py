@@ -18,11 +18,14 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..events import Event, Kind, Level
-from ._state import call_state_dict, distributed_rank, to_host
+from .forms import distributed_rank
+from .hostcopy import to_host
+from .restore import call_state_dict
 from .budget import plan_snapshots
 from .checkpoint import CheckpointManager, _agree
 from .config import RecoveryConfig
 from .data import DataPositionAdapter
+from .errors import UnreadableState
 from .history import BatchHistory
 from .repair import FiniteBaseline
 from .snapshot import Snapshot, SnapshotRing, capture_state, restore_state
@@ -179,7 +182,11 @@ class SnapshotKeeper:
         # A snapshot is only clean if what the optimizer writes is finite: the flag is computed on
         # the device beside the copy and read once it has landed. Poisoned state that no alert
         # caught is repaired then.
-        host = self.live.capture(step, self._data_state(), late=False, reuse=self._spare, check_finite=True)
+        try:
+            host = self.live.capture(step, self._data_state(), late=False, reuse=self._spare, check_finite=True)
+        except UnreadableState as e:
+            self._copies_off(step, e)
+            return
         self._spare = None
         snap = Snapshot(step=step, clean=True, reason="building" if building else "periodic", host=host,
                         building=building)
@@ -281,11 +288,15 @@ class SnapshotKeeper:
         # (async mode reads a warning after more updates were applied)
         label = step - 1 if seen is None else max(seen, step - 1)
         data = self._data_state(self.history.pending())
-        if self.ring is not None:
-            snap = self.ring.capture(label, clean=clean, reason=reason, **self.live.parts(data),
-                                     extra=self.live.extra_state)
-        else:
-            snap = Snapshot(step=label, clean=clean, reason=reason, host=self.live.capture(label, data))
+        try:
+            if self.ring is not None:
+                snap = self.ring.capture(label, clean=clean, reason=reason, **self.live.parts(data),
+                                         extra=self.live.extra_state)
+            else:
+                snap = Snapshot(step=label, clean=clean, reason=reason, host=self.live.capture(label, data))
+        except UnreadableState as e:
+            self._copies_off(step, e)
+            return None
         if self.checkpoints is not None:
             return self._save_disk(snap, label, clean=clean, reason=reason)
         name = self.memory_name(label)
@@ -314,14 +325,26 @@ class SnapshotKeeper:
                             signal=reason, values={"clean": float(clean)}, path=str(path)))
         return path
 
+    def _copies_off(self, step: int, error: UnreadableState) -> None:
+        """The state holds a tensor no copy can read (it appeared after ``watch()``, which refuses
+        one it sees): snapshots and checkpoints are off from now, said once."""
+        self.ring = self.checkpoints = self.snapshot_plan = None
+        msg = (f"in-memory snapshots and disk checkpoints are off from step {self.run_step(step)}: the optimizer "
+               f"state now holds a tensor no copy can read ({error}: not torch's traceable-subclass protocol). "
+               "Nothing is left to rewind to: a collapse halts. Give the subclass __tensor_flatten__ / "
+               "__tensor_unflatten__, or watch with RecoveryConfig(snapshot_every=0, rewind=False)")
+        warnings.warn(f"earlywarn: {msg}", RuntimeWarning, stacklevel=2)
+        self.emit(Event(step=step, kind=Kind.CHECKPOINT_FAILED, level=Level.WARNING, message=msg,
+                        signal="unreadable_state", values={"failures": 1.0}))
+
     def _checkpoint_failed(self, path: Path, error: BaseException) -> None:
         errno = getattr(error, "errno", None)
         failures = self.checkpoints.failures if self.checkpoints else 0
-        self.emit(Event(step=self.history.last_step or 0, kind=Kind.CHECKPOINT, level=Level.WARNING,
+        self.emit(Event(step=self.history.last_step or 0, kind=Kind.CHECKPOINT_FAILED, level=Level.WARNING,
                         message=f"checkpoint write failed: {path} ({type(error).__name__}"
                                 f"{f' errno {errno}' if errno is not None else ''}: {error}); training goes on, "
                                 f"{failures} failed so far",
-                        signal="checkpoint_failed", values={"failures": float(failures)}))
+                        signal="checkpoint_write", values={"failures": float(failures)}))
 
     # -- what a rewind sees and leaves ---------------------------------------------------------
     def candidates(self, before: int) -> list[Candidate]:

@@ -27,7 +27,7 @@ import torch
 
 from earlywarn.capture.norms import NormSum
 
-from ._state import local
+from .forms import is_wrapped, local, parts
 from .holders import state_holders, stepper
 
 
@@ -39,8 +39,11 @@ def _state_tensors(tree: object, out: list[torch.Tensor]) -> None:
     # flat dicts of tensors (torch.optim) cost one loop; containers (heavyball) recurse
     for v in tree.values() if isinstance(tree, dict) else tree:  # type: ignore[attr-defined]
         if type(v) is torch.Tensor or isinstance(v, torch.Tensor):
-            if _checked(v):
-                out.append(local(v))
+            t = local(v)
+            if is_wrapped(t):  # a subclass (torchao's quantized moments): its floating parts (forms.py)
+                out += [x for x in parts(t) or () if _checked(x)]
+            elif _checked(v):
+                out.append(t)
         elif isinstance(v, (dict, list, tuple)):
             _state_tensors(v, out)
 
@@ -102,8 +105,8 @@ class StateCheck:
     def _plan(self, values: list[Any] | None, walked: list[torch.Tensor]) -> None:
         """Plan the next calls from this walk, when the state is flat (no containers inside)."""
         self._ids, self._sum = None, None
-        if values is None or any(isinstance(v, (dict, list, tuple)) for v in values):
-            return
+        if values is None or any(isinstance(v, (dict, list, tuple)) or is_wrapped(local(v)) for v in values):
+            return  # nested state, or a subclass read through its parts: walked every time
         picked = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and _checked(v)]
         if len(picked) != len(walked):
             return  # not what the walk found (cannot happen for flat state): no plan
@@ -126,12 +129,14 @@ class StateCheck:
         """``value``: the flag as read on the host with the step's vector. When the state holds
         a NaN or Inf, repair it now, before this step's update (``recovery.repair``: scan,
         reset the poisoned coordinates, verify, one REPAIR event). True when something was
-        repaired. A repair that could not make the state finite is retried ``retry_after``
-        steps later, not at every step (what it left is then the rest of the guard's to meet)."""
-        if math.isfinite(value):
+        repaired. State a repair could not make finite is the judge's to meet
+        (``recovery.unrepaired``: rewound before any update reads it), not repaired again here;
+        one that left nothing for it (a dry run's, or poisoned buffers only) is retried
+        ``retry_after`` steps later, not at every step."""
+        if math.isfinite(value) or recovery.unrepaired is not None:
             return False
-        if self._failed_at is not None and step - self._failed_at < self.retry_after:
+        if self._failed_at is not None and 0 <= step - self._failed_at < self.retry_after:
             return False
         report = recovery.repair(step)
-        self._failed_at = None if report.ok else step
+        self._failed_at = None if report.ok or recovery.unrepaired is not None else step
         return bool(report.repaired)

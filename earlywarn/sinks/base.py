@@ -284,7 +284,9 @@ class EventTally:
         :meth:`as_dict`)."""
         before = self.as_dict()
         kind = str(event.kind)
-        self.counts[kind] = self.counts.get(kind, 0) + 1
+        # a dry run's "would have" is not the thing itself: its own count (docs/trackers.md)
+        counted = f"would_{kind}" if event.values.get("dry_run") else kind
+        self.counts[counted] = self.counts.get(counted, 0) + 1
         if event.level > self.worst and kind in _RANKED:
             self.worst = event.level
         if event.level >= Level.CRITICAL and kind in _RANKED:

@@ -21,7 +21,7 @@ from earlywarn.events import ALERT_KINDS, Event, Kind, Level
 from earlywarn.sinks.base import Sink
 
 
-_ANSWERS = frozenset({Kind.SKIP, Kind.CLIP, Kind.REPAIR, Kind.REWIND, Kind.HALT})
+_ANSWERS = frozenset({Kind.SKIP, Kind.CLIP, Kind.REPAIR, Kind.REWIND, Kind.NO_REWIND, Kind.LR_HOLD, Kind.HALT})
 """Actions that answer the step's alerts (their message says what was done about them)."""
 
 _SAMPLES = re.compile(r"\(samples ([^)]*)\)")

@@ -31,9 +31,17 @@ import earlywarn
 from earlywarn.events import Event, Kind, Level
 
 FAULTS = ("none", "inf_grad", "nan_sample", "poison_state", "huge_grad")
-# State keys poisoned first (the ones whose corruption survives: Adam's second moment first)
+# State keys poisoned first (the ones whose corruption survives: Adam's second moment first;
+# bitsandbytes' 8-bit moments are uint8 codes, a block's NaN is its absmax)
 _STATE_PREFERENCE = ("exp_avg_sq", "exp_avg", "momentum_buffer", "square_avg", "sum", "acc_delta",
-                     "exp_inf", "ax", "prev", "row_var", "col_var", "variance")
+                     "exp_inf", "ax", "prev", "row_var", "col_var", "variance", "absmax1")
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as a plain tensor: a tensor subclass's own ``dequantize()`` (torchao's
+    quantized moments implement little else: no ``isfinite``, no ``clone``), else the tensor."""
+    own = getattr(type(t), "dequantize", torch.Tensor.dequantize) is not torch.Tensor.dequantize
+    return t.dequantize() if own else t
 
 
 @dataclass
@@ -90,7 +98,7 @@ def _floating_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[str, t
 
 def _plain_copy(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.detach().clone()
+        return values(x.detach()).clone()
     if isinstance(x, dict):
         return {k: _plain_copy(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -212,7 +220,10 @@ class Injector:
             return
         self.fired = True
         with torch.no_grad():
-            found[1].view(-1)[found[1].numel() // 3] = math.nan
+            v = values(found[1])
+            v.view(-1)[v.numel() // 3] = math.nan
+            if v is not found[1]:
+                found[1].copy_(v)  # a quantized moment: its own copy_ re-quantizes (a NaN block scale)
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -247,7 +258,7 @@ def nonfinite_tensors(model: nn.Module, opt: torch.optim.Optimizer,
             if not bool(torch.isfinite(p).all()):
                 bad.append(n)
             for k, v in (kv for state in _states(opt) for kv in state_leaves(state.get(p, {}))):
-                if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
+                if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(values(v)).all()):
                     bad.append(f"{n}[{k}]")
         for n, b in model.named_buffers():
             if not b.is_floating_point():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ecosystem as eco
+import stacks
 from harness import FAULTS, Fault, check_invariants, quiet_options
 
 torch.set_num_threads(1)
@@ -32,8 +33,21 @@ SLOW = {
     "litgpt_fabric": lambda fault, opts, tmp: eco.litgpt_fabric(fault, opts),
     "torch_compile": lambda fault, opts, tmp: eco.torch_feature("torch_compile", fault, opts),  # dynamo tracing
 }
+# issue 46: what a new user brings (stacks.py); the low-bit optimizers' poisoned state is repaired in place
+STACKS = {
+    **{name: (lambda n: lambda fault, opts, tmp: stacks.low_bit(n, fault, opts))(name) for name in stacks.LOW_BIT},
+    "mixtral_lm": lambda fault, opts, tmp: stacks.hf_lm("mixtral", fault, opts),
+    "mamba_lm": lambda fault, opts, tmp: stacks.hf_lm("mamba", fault, opts),
+    "accelerate_accumulation": lambda fault, opts, tmp: stacks.accelerate_accumulation(fault, opts),
+    "bf16_autocast": lambda fault, opts, tmp: stacks.bf16("bf16_autocast", fault, opts),
+    "bf16_weights": lambda fault, opts, tmp: stacks.bf16("bf16_weights", fault, opts),
+    "sparse_adam": lambda fault, opts, tmp: stacks.sparse_adam(fault, opts),
+    "compile_checkpoint_tied": lambda fault, opts, tmp: stacks.compiled_checkpointed_tied(fault, opts),
+}
 PACKAGES = {"peft": "peft", "timm": "timm", "trl": "trl", "diffusers": "diffusers", "litgpt": "litgpt",
-            "heavyball": "heavyball", "schedulefree": "schedulefree", "lion": "lion_pytorch"}
+            "heavyball": "heavyball", "schedulefree": "schedulefree", "lion": "lion_pytorch", "torchao": "torchao",
+            "bnb": "bitsandbytes", "adafactor": "transformers", "mixtral": "transformers", "mamba": "transformers",
+            "accelerate": "accelerate"}
 
 
 def _needs(codebase: str) -> None:
@@ -55,6 +69,7 @@ def _run(table, codebase, fault, cell, tmp_path):
     _needs(codebase)
     result = table[codebase](Fault(fault), quiet_options(tmp_path), tmp_path)
     check_invariants(result)
+    return result
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -68,6 +83,16 @@ def test_ecosystem_loops(codebase, fault, cell, tmp_path):
 @pytest.mark.parametrize("codebase", sorted(SLOW))
 def test_ecosystem_frameworks(codebase, fault, cell, tmp_path):
     _run(SLOW, codebase, fault, cell, tmp_path)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("codebase", sorted(STACKS))
+def test_new_user_stacks(codebase, fault, cell, tmp_path):
+    result = _run(STACKS, codebase, fault, cell, tmp_path)
+    if fault == "poison_state" and codebase in stacks.LOW_BIT:
+        # the quantized or factored moment (torchao's block scale, bitsandbytes' absmax1) repaired in place
+        c = result.counters
+        assert c["repaired_steps"] == 1 and c["rewinds"] == 0 and c["skipped_steps"] == 0, c
 
 
 # Every optimizer timm's factory makes, beyond the three rows above: a run that would have trained

@@ -1,62 +1,23 @@
-"""State plumbing shared by snapshots and checkpoints: host copies, RNG, safe serialisation,
-in-place restores. Internal: the public surface is SnapshotRing / CheckpointManager / Recovery."""
+"""Host copies of state trees (snapshots, checkpoints): pinned buffers recycled from the last
+copy, the optimizer's tensors on a side stream with their finiteness flag, copy plans replayed.
+Internal: the public surface is SnapshotRing / CheckpointManager / Recovery."""
 
 from __future__ import annotations
 
 import collections
 import copy
-import operator
-import random
-from itertools import chain
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 
 from earlywarn.capture.hostread import HOST_WAITS, record_event
-from earlywarn.capture.norms import SMALL, NormSum
+from earlywarn.capture.norms import NormSum
 
-from ._tree import at, leaves, same_structure
-from .errors import CheckpointError
+from ._tree import leaves
+from .copyplan import PartPlan, SidePlan, flat_part, tensor_key
+from .errors import UnreadableState
+from .forms import flattens, inner, is_dtensor, is_wrapped, like_sharded, local, parts, rebuild
 from .holders import state_of
-
-try:  # torch builds without distributed support have no DTensor (and no sharded state)
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-
-# --------------------------------------------------------------------------------------------
-# Sharded tensors (FSDP2 / tensor parallel DTensors)
-#
-# Every copy and restore below works on a DTensor's *local shard* only: a DTensor op (clone,
-# copy_, ``.to``) goes through DTensor dispatch, which may redistribute -- a collective per
-# tensor, or a full-tensor gather -- and a host copy must never do that. A host copy of a
-# DTensor is a DTensor with the same layout (mesh, placements, global shape) whose local tensor
-# is on the host: ``torch.distributed.checkpoint`` still writes it shard by shard, and restoring
-# copies the local shard back in place.
-
-
-def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def distributed_rank() -> int | None:
-    """This process's rank when torch.distributed runs with more than one process, else None."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank()
-    return None
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own shard of a DTensor (no collective, no autograd wrapper); ``t`` otherwise."""
-    return t._local_tensor if is_dtensor(t) else t
-
-
-def like_sharded(host_local: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``host_local`` wrapped with ``t``'s DTensor layout, without moving it to the mesh's device
-    (``DTensor.from_local`` would copy it back to the accelerator)."""
-    return DTensor(host_local, t._spec, requires_grad=False)  # type: ignore[misc]
 
 # --------------------------------------------------------------------------------------------
 # Host copies
@@ -89,29 +50,32 @@ def fence_copies() -> None:
         torch.cuda.current_stream(device).wait_event(event)
 
 
-def _key(t: torch.Tensor) -> tuple[torch.device, int] | None:
-    return (t.device, t.data_ptr()) if t.numel() > 0 and t.layout == torch.strided else None
-
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors only ``optimizer.step`` writes: its parameters and their state (local shards;
     the state of an optimizer it wraps too). Flat per-parameter state (torch.optim's) is read in
-    one pass; nested state is walked."""
+    one pass; nested state is walked. A tensor subclass is its inner tensors (``forms.parts``;
+    an unreadable one is left out)."""
     out: list[torch.Tensor] = []
     state = state_of(optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
-            out.append(local(p))
+            out += _plain(p)
             st = state.get(p)
             if not isinstance(st, dict):
-                out += [local(v) for _, v in leaves(st)]
+                out += [x for _, v in leaves(st) for x in _plain(v)]
                 continue
             for v in st.values():
                 if type(v) is torch.Tensor:
                     out.append(v)
-                elif isinstance(v, (torch.Tensor, dict, list, tuple)):  # a DTensor, nested state
-                    out += [local(t) for _, t in leaves(v)]
+                elif isinstance(v, (torch.Tensor, dict, list, tuple)):  # a DTensor, a subclass, nested state
+                    out += [x for _, t in leaves(v) for x in _plain(t)]
     return out
+
+
+def _plain(t: torch.Tensor) -> "list[torch.Tensor] | tuple[torch.Tensor, ...]":
+    t = local(t)
+    return (t,) if not is_wrapped(t) else parts(t) or ()
 
 
 def nonfinite_flag(tensors: list[torch.Tensor], plan: NormSum | None = None) -> torch.Tensor | None:
@@ -142,7 +106,7 @@ class HostCopy:
         self._owned: list[torch.Tensor] = list(owned)
         self.checked = False  # to_host(check_finite=True) sets it: finite() then means something
         self.kept: set[int] = set()  # ids of the tensors in ``tree`` that are live ones, not copies
-        # how the next copy into these buffers goes (to_host(reuse=this copy)): see _PartPlan
+        # how the next copy into these buffers goes (to_host(reuse=this copy)): see PartPlan
         self.plans: dict[Any, Any] = {}
 
     def ready(self) -> bool:
@@ -208,7 +172,7 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
     collective: every rank calls this together). ``shared``: ids of tensors that are kept as they
     are, not copied (frozen weights: see :class:`FrozenRefs`). ``planned``: paths of the flat
     parts of ``tree`` (a ``state_dict()``, the optimizer's per-parameter state) whose copy is
-    planned (see :class:`_PartPlan`): copying them again into ``reuse``'s buffers then costs no
+    planned (see :class:`PartPlan`): copying them again into ``reuse``'s buffers then costs no
     walk."""
     plans = reuse.plans if isinstance(reuse, HostCopy) else {}
     copier = _HostCopier(side or [], shared or set(), plans)
@@ -224,121 +188,6 @@ def to_host(tree: Any, reuse: Any = None, *, side: "list[torch.Tensor] | None" =
 
 _PTR, _SIZE = torch.Tensor.data_ptr, torch.Tensor.size
 _CPU = torch.device("cpu")
-
-
-def _flat_part(x: Any) -> tuple[list[torch.Tensor], tuple] | None:
-    """The tensors of a flat part -- a mapping of tensors, or a mapping of mappings of tensors
-    (the optimizer's per-parameter state) -- in order, with its structure; ``None`` otherwise."""
-    if type(x) not in (dict, collections.OrderedDict) or not x:
-        return None
-    inner = list(x.values())
-    kinds = set(map(type, inner))
-    if kinds == {torch.Tensor}:
-        return inner, (tuple(x),)
-    if kinds == {dict}:
-        vals = list(chain.from_iterable(map(dict.values, inner)))
-        if vals and set(map(type, vals)) == {torch.Tensor}:
-            return vals, (tuple(x), tuple(chain.from_iterable(map(dict.keys, inner))), tuple(map(len, inner)))
-    return None
-
-
-def _picker(positions: list[int]) -> Callable[[list[Any]], Any]:
-    return operator.itemgetter(*positions) if len(positions) > 1 else (lambda xs, i=positions[0]: (xs[i],))
-
-
-class _PartPlan:
-    """How a flat part of a state tree was copied into a host copy's buffers: which tensors went
-    to which buffer by which route (a host copy, a side-stream or a compute-stream device copy) and
-    which were kept by reference. The next copy into the same buffers replays it -- one check of
-    the part's structure and of its tensors' addresses and shapes in C, then the copies in groups
-    -- instead of walking the part tensor by tensor. Any difference (a key, a reallocated or
-    reshaped tensor, a weight frozen or unfrozen since) means a walk and a new plan.
-
-    Small host tensors of one shape and dtype (``capture.norms.SMALL`` elements at most) get rows
-    of one stacked buffer: ``torch.stack(..., out=)`` copies them in one call, where
-    ``_foreach_copy_`` pays a dispatch per tensor on the CPU (hundreds of biases and norms)."""
-
-    __slots__ = ("sig", "out", "host", "stacks", "side", "main", "owned", "kept")
-
-    def __init__(self, sig: tuple, out: Any) -> None:
-        self.sig, self.out = sig, out
-        self.host: list[tuple[torch.dtype, list[torch.Tensor], Any]] = []
-        self.stacks: list[tuple[torch.Tensor, Any]] = []  # (stacked buffer, its rows' sources)
-        self.side: list[tuple[torch.device, list[torch.Tensor], Any]] = []
-        self.main: list[tuple[torch.device, list[torch.Tensor], Any]] = []
-        self.owned: list[torch.Tensor] = []
-        self.kept: set[int] = set()
-
-    @staticmethod
-    def make(sig: tuple, out: Any, srcs: list[torch.Tensor], owned_ids: set[int]) -> "_PartPlan | None":
-        flat = _flat_part(out)
-        if flat is None or len(flat[0]) != len(srcs):
-            return None
-        plan = _PartPlan(sig, out)
-        routes: dict[tuple, tuple[list[torch.Tensor], list[int]]] = collections.defaultdict(lambda: ([], []))
-        for i, (src, dst) in enumerate(zip(srcs, flat[0])):
-            if dst is src:
-                plan.kept.add(id(dst))
-                continue
-            if not dst.is_cpu or dst.layout is not _STRIDED or dst.data_ptr() == src.data_ptr():
-                return None
-            if src.is_cpu:
-                small = src.is_contiguous() and 0 < src.numel() <= SMALL
-                route: tuple = ("stack", (src.dtype, src.shape)) if small else ("host", src.dtype)
-            elif src.is_cuda and dst.is_pinned():
-                route = ("side" if id(dst) in owned_ids else "main", src.device)
-            else:
-                return None
-            dsts, pos = routes[route]
-            dsts.append(dst)
-            pos.append(i)
-        slots = _slots(out)
-        for (kind, where), (dsts, pos) in routes.items():
-            if kind == "stack" and len(pos) > 1:
-                big = torch.empty((len(pos), *where[1]), dtype=where[0])
-                rows = big.unbind(0)
-                for i, dst, row in zip(pos, dsts, rows):
-                    _put(out, slots[i], row)
-                    if id(dst) in owned_ids:
-                        owned_ids.add(id(row))
-                plan.stacks.append((big, _picker(pos)))
-                dsts[:] = rows
-            else:
-                getattr(plan, "host" if kind == "stack" else kind).append(
-                    (where[0] if kind == "stack" else where, dsts, _picker(pos)))
-        plan.owned = [t for t in _flat_part(out)[0] if id(t) in owned_ids]  # type: ignore[index]
-        return plan
-
-
-def _slots(part: Any) -> list[tuple]:
-    """Where each tensor of a flat part sits (its key, or outer and inner key), in order."""
-    first = next(iter(part.values()))
-    if isinstance(first, dict):
-        return [(o, k) for o, inner in part.items() for k in inner]
-    return [(k,) for k in part]
-
-
-def _put(part: Any, slot: tuple, value: torch.Tensor) -> None:
-    if len(slot) == 1:
-        part[slot[0]] = value
-    else:
-        part[slot[0]][slot[1]] = value
-
-
-class _SidePlan:
-    """The optimizer's tensors as one snapshot saw them (see :meth:`_HostCopier.side_plan`)."""
-
-    __slots__ = ("ids", "ptrs", "keys", "cpu_ptrs", "devices")
-
-    def __init__(self, side: list[torch.Tensor], ids: tuple, ptrs: tuple) -> None:
-        self.ids, self.ptrs = ids, ptrs
-        self.keys = {k for k in (_key(t) for t in side) if k is not None}
-        self.cpu_ptrs = {ptr for dev, ptr in self.keys if dev.type == "cpu"}
-        by_device: dict[torch.device, list[int]] = collections.defaultdict(list)
-        for i, t in enumerate(side):
-            by_device[t.device].append(i)
-        # per device: which of them, and their finiteness flag's plan (capture.norms)
-        self.devices = [(dev, _picker(pos), NormSum([side[i] for i in pos])) for dev, pos in by_device.items()]
 
 
 class _HostCopier:
@@ -368,7 +217,7 @@ class _HostCopier:
             self._keys, self._cpu_ptrs = self.side_plan().keys, self.side_plan().cpu_ptrs
         return self._keys
 
-    def side_plan(self) -> "_SidePlan":
+    def side_plan(self) -> "SidePlan":
         """What the optimizer's tensors are (their keys, their devices, how their finiteness
         flag is taken): the recycled copy's when they are the same tensors at the same
         addresses, else made now."""
@@ -377,12 +226,12 @@ class _HostCopier:
             ids, ptrs = tuple(map(id, self.side)), tuple(map(_PTR, self.side))
             plan = self.reused_plans.get("side")
             if plan is None or plan.ids != ids or plan.ptrs != ptrs:
-                plan = _SidePlan(self.side, ids, ptrs)
+                plan = SidePlan(self.side, ids, ptrs)
             self.plans["side"] = plan
         return plan
 
     def walk(self, x: Any, r: Any, path: tuple, planned: "tuple[tuple[str, ...], ...]") -> Any:
-        """:meth:`rec`, except for the parts at ``planned`` paths (see :class:`_PartPlan`)."""
+        """:meth:`rec`, except for the parts at ``planned`` paths (see :class:`PartPlan`)."""
         if path in planned:
             return self.part(x, r, path)
         if isinstance(x, dict) and any(p[:len(path)] == path and len(p) > len(path) for p in planned):
@@ -391,7 +240,7 @@ class _HostCopier:
         return self.rec(x, r)
 
     def part(self, x: Any, r: Any, path: tuple) -> Any:
-        flat = _flat_part(x)
+        flat = flat_part(x)
         if flat is None:
             return self.rec(x, r)
         srcs, structure = flat
@@ -404,7 +253,7 @@ class _HostCopier:
             owned = len(self.owned_host)
             marks = {k: len(v[0]) for k, v in self.host_copies.items()}
             out = self.rec(x, r)
-            plan = _PartPlan.make(sig, out, srcs, set(map(id, self.owned_host[owned:])))
+            plan = PartPlan.make(sig, out, srcs, set(map(id, self.owned_host[owned:])))
             if plan is None:
                 return out
             # the walk's host copies give way to the plan's (small tensors: rows of stacked buffers);
@@ -416,7 +265,7 @@ class _HostCopier:
         self.plans[path] = plan
         return plan.out
 
-    def replay(self, plan: _PartPlan, srcs: list[torch.Tensor], *, host_only: bool = False) -> None:
+    def replay(self, plan: PartPlan, srcs: list[torch.Tensor], *, host_only: bool = False) -> None:
         for dtype, dsts, pick in plan.host:
             d, s_ = self.host_copies[(_CPU, dtype)]
             d += dsts
@@ -452,11 +301,18 @@ class _HostCopier:
             # local shard only; the copy keeps the layout (see the note on sharded tensors above)
             same = is_dtensor(r) and r._spec == x._spec
             return like_sharded(self.copy_leaf(local(x), local(r) if same else None), x)
+        if is_wrapped(x):
+            # a subclass's own ops may alias or refuse (torchao's `.to(copy=True)` keeps its codes):
+            # its inner tensors are copied as any others and it is rebuilt around the copies
+            if not flattens(x):
+                raise UnreadableState(f"a {type(x).__module__}.{type(x).__qualname__} has no __tensor_flatten__")
+            rin = inner(r)[0] if type(r) is type(x) else {}
+            return rebuild(x, {n: self.copy_leaf(t, rin.get(n)) for n, t in inner(x)[0].items()})
         x = x.detach()
         dst = _host_buffer(x, r)
         if dst is not None and dst.data_ptr() == x.data_ptr():
             dst = None
-        owned = _key(x) in self.side_keys
+        owned = tensor_key(x) in self.side_keys
         if dst is None:
             dst = x.to("cpu", copy=True)
         elif x.device.type == "cuda" and dst.is_pinned():
@@ -595,7 +451,9 @@ def clone_tree(tree: Any) -> Any:
     """Deep copy with tensors cloned: what ``load_state_dict`` calls receive, because
     ``Optimizer.load_state_dict`` keeps the given CPU tensors (it would alias our snapshot)."""
     if is_dtensor(tree):
-        return like_sharded(local(tree).clone(), tree)
+        return like_sharded(clone_tree(local(tree)), tree)
+    if is_wrapped(tree) and flattens(tree):
+        return rebuild(tree, {n: clone_tree(t) for n, t in inner(tree)[0].items()})
     if isinstance(tree, torch.Tensor):
         return tree.clone()
     if isinstance(tree, dict):
@@ -616,212 +474,4 @@ def clone_tree(tree: Any) -> Any:
 
 def state_bytes(tree: Any) -> int:
     """Bytes held by the tensors of a state tree (for reports; this rank's shards only)."""
-    return sum(local(t).numel() * local(t).element_size() for _, t in leaves(tree))
-
-
-# --------------------------------------------------------------------------------------------
-# RNG
-
-
-def capture_rng() -> dict[str, Any]:
-    """Python, numpy, torch CPU and (when CUDA is initialised) every CUDA device's generator."""
-    cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = [s.clone() for s in torch.cuda.get_rng_state_all()]
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state().clone(),
-        "cuda": cuda,
-    }
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    if state.get("python") is not None:
-        random.setstate(_as_python_random_state(state["python"]))
-    if state.get("numpy") is not None:
-        np.random.set_state(tuple(state["numpy"]))
-    if state.get("torch") is not None:
-        torch.set_rng_state(state["torch"].clone())
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.clone() for s in cuda])
-
-
-def _as_python_random_state(s: Any) -> tuple:
-    # pickling keeps the tuple shape, but a state coming through JSON-like paths may be lists
-    version, internal, gauss = s
-    return (version, tuple(internal), gauss)
-
-
-# --------------------------------------------------------------------------------------------
-# Serialisation that `torch.load(weights_only=True)` accepts
-
-_ND = "__earlywarn_ndarray__"
-_NP = "__earlywarn_npscalar__"
-_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
-
-
-def encode_safe(tree: Any, path: str = "state") -> Any:
-    """Turn numpy arrays / scalars into tagged plain records and check that every other leaf is
-    something ``torch.load(weights_only=True)`` accepts. Fails at save time, naming the path,
-    instead of producing a checkpoint that cannot be loaded."""
-    if isinstance(tree, torch.Tensor):
-        return tree
-    if isinstance(tree, np.ndarray):
-        if tree.dtype.hasobject:
-            raise CheckpointError(f"{path}: numpy array of dtype object cannot be saved safely; "
-                                  "store numbers or strings in the state_dict instead")
-        return {_ND: np.ascontiguousarray(tree).tobytes(), "dtype": tree.dtype.str, "shape": tuple(tree.shape)}
-    if isinstance(tree, np.generic):
-        return {_NP: tree.item(), "dtype": tree.dtype.str}
-    if type(tree) in (dict, collections.OrderedDict):
-        out = collections.OrderedDict() if isinstance(tree, collections.OrderedDict) else {}
-        for k, v in tree.items():
-            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
-                raise CheckpointError(f"{path}: key {k!r} of type {type(k).__name__} cannot be saved "
-                                      "with weights_only loading; use str or int keys")
-            out[k] = encode_safe(v, f"{path}.{k}")
-        return out
-    if type(tree) in (list, tuple, set, frozenset):
-        items = [encode_safe(v, f"{path}[{i}]") for i, v in enumerate(tree)]
-        return type(tree)(items) if not isinstance(tree, frozenset) else set(items)
-    if isinstance(tree, _SAFE_LEAVES):
-        return tree
-    raise CheckpointError(
-        f"{path}: a {type(tree).__module__}.{type(tree).__qualname__} cannot be loaded with "
-        "torch.load(weights_only=True); make that state_dict() return plain numbers, strings, "
-        "lists, dicts, tensors or numpy arrays"
-    )
-
-
-def decode_safe(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        if _ND in tree and set(tree) == {_ND, "dtype", "shape"}:
-            return np.frombuffer(tree[_ND], dtype=np.dtype(tree["dtype"])).reshape(tree["shape"]).copy()
-        if _NP in tree and set(tree) == {_NP, "dtype"}:
-            return np.dtype(tree["dtype"]).type(tree[_NP])
-        out = type(tree)() if isinstance(tree, collections.OrderedDict) else {}
-        for k, v in tree.items():
-            out[k] = decode_safe(v)
-        return out
-    if isinstance(tree, (list, tuple, set)):
-        return type(tree)(decode_safe(v) for v in tree)
-    return tree
-
-
-# --------------------------------------------------------------------------------------------
-# Restores
-
-
-def restore_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Put ``sd`` (an ``optimizer.state_dict()`` copy) back into ``optimizer``.
-
-    When the saved state has the same structure as the live one (nested state included), tensors
-    are copied in place: no second copy of the optimizer state is allocated on the device (a
-    full-size allocation at the worst moment) and references others hold to the state tensors
-    stay valid. Otherwise ``load_state_dict`` on a clone.
-    """
-    fence_copies()  # a snapshot copy still reading these tensors must finish first
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    saved_groups = sd.get("param_groups", [])
-    saved_state = sd.get("state", {})
-    same = len(saved_groups) == len(optimizer.param_groups) and all(
-        len(sg["params"]) == len(g["params"]) for sg, g in zip(saved_groups, optimizer.param_groups)
-    ) and all(_fits(optimizer.state.get(p, {}), saved_state.get(i, {})) for i, p in enumerate(params))
-    if not same:
-        optimizer.load_state_dict(clone_tree(sd))
-        return
-    with torch.no_grad():
-        for i, p in enumerate(params):
-            saved = saved_state.get(i)
-            if not saved:  # nothing saved, nothing live (_fits): no entry made (ZeRO: another rank's)
-                continue
-            live = optimizer.state[p]
-            for path, v in leaves(saved):
-                local(at(live, path)).copy_(local(v))  # sharded state: this rank's shard, in place
-            for k, v in saved.items():  # top-level values that are not tensors (counters, flags)
-                if not isinstance(v, (torch.Tensor, dict, list, tuple)):
-                    live[k] = copy.deepcopy(v)
-    for g, sg in zip(optimizer.param_groups, saved_groups):
-        for k, v in sg.items():
-            if k == "params":
-                continue
-            cur = g.get(k)
-            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
-                cur.copy_(v)  # tensor lr: keep the object (compiled / capturable steps hold it)
-            else:
-                g[k] = copy.deepcopy(v)
-
-
-def _fits(live: Any, saved: Any) -> bool:
-    """``saved`` can be copied into ``live`` in place: the same nesting, each tensor of the same
-    layout, and nested non-tensor values equal (only top-level ones are set back)."""
-    if not same_structure(live, saved):
-        return False
-    for path, v in leaves(saved):
-        if not _same_layout(v, at(live, path)):
-            return False
-    return all(_plain_equal(live[k], v) for k, v in saved.items() if isinstance(v, (dict, list, tuple)))
-
-
-def _plain_equal(a: Any, b: Any) -> bool:
-    """The non-tensor leaves of two trees of the same structure are equal."""
-    if isinstance(a, torch.Tensor):
-        return True
-    if isinstance(a, dict):
-        return all(_plain_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return all(_plain_equal(x, y) for x, y in zip(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an object without a plain equality: not restorable in place
-        return False
-
-
-def _same_layout(saved: torch.Tensor, live: torch.Tensor) -> bool:
-    """``saved`` can be copied into ``live`` shard for shard: same global shape, dtype and local
-    shard shape (a saved DTensor or this rank's plain local shard into a live DTensor)."""
-    if saved.dtype != live.dtype or local(saved).shape != local(live).shape:
-        return False
-    return saved.shape == live.shape or not is_dtensor(saved)
-
-
-def restore_model(model: torch.nn.Module, sd: dict[str, Any]) -> None:
-    """Copy ``sd`` (a ``model.state_dict()`` copy) into the model's tensors, in place.
-
-    A sharded model (DTensor parameters, FSDP2) is restored shard by shard: each rank copies its
-    local shards back, with no collective and no full-tensor gather. Otherwise, and whenever the
-    saved state does not match the live layout, ``load_state_dict`` (strict) does it."""
-    fence_copies()  # a snapshot copy still reading these tensors must finish first
-    live = model.state_dict(keep_vars=True)
-    if any(is_dtensor(v) for v in live.values()) and set(live) == set(sd) and all(
-        isinstance(v, torch.Tensor) and isinstance(sd[k], torch.Tensor) and _same_layout(sd[k], v)
-        for k, v in live.items()
-    ):
-        with torch.no_grad():
-            for k, v in live.items():
-                local(v).copy_(local(sd[k]))
-        return
-    # frozen weights a snapshot kept by reference (FrozenRefs) are the live tensors themselves
-    alias = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and k in live and _aliases(v, live[k])]
-    if alias and set(live) == set(sd):
-        rest = collections.OrderedDict((k, v) for k, v in sd.items() if k not in alias)
-        if hasattr(sd, "_metadata"):
-            rest._metadata = sd._metadata  # type: ignore[attr-defined]
-        model.load_state_dict(rest, strict=False)
-        return
-    # load_state_dict copies into the existing parameters (no aliasing of the snapshot)
-    model.load_state_dict(sd, strict=True)
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = local(a), local(b)
-    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.numel() > 0
-
-
-def call_state_dict(obj: Any, what: str) -> Any:
-    fn: Callable[[], Any] | None = getattr(obj, "state_dict", None)
-    if fn is None:
-        raise TypeError(f"{what} has no state_dict(): pass objects with state_dict/load_state_dict")
-    return fn()
+    return sum(x.numel() * x.element_size() for _, t in leaves(tree) for x in parts(t) or ())
