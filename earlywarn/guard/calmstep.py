@@ -36,7 +36,6 @@ from earlywarn.detect.bands import Bands
 from earlywarn.guard.statistics import StepStatistics, StepTag
 from earlywarn.guard.telemetry import Telemetry
 from earlywarn.policy import Policy
-from earlywarn.sinks.base import takes_metrics
 
 WINDOW = 16
 """Calm steps kept before they are folded in (the bands are drawn for this many)."""

@@ -13,6 +13,10 @@ statistics are read and how the update is applied):
 6. ``_after_step``: skip report and bad-batch quarantine, the episode, recovery's snapshots, the
    step's metric row.
 
+Most steps are calm and stop after 2: a step whose vector lies inside the bands the detector
+drew at the last fold, with nothing else due, is applied at once; its detector update and
+metric row are folded in later, in order, as they would have been (``earlywarn.guard.calmstep``).
+
 Entry points: ``optimizer.step()`` (:meth:`Watcher._optimizer_step`, with or without a closure),
 ``scaler.step(optimizer)`` (:meth:`Watcher._scaler_step`: the scaler's overflow steps never call
 ``optimizer.step()``), and :meth:`Watcher.decide_step` / :meth:`Watcher.apply_step` for trainers
@@ -38,18 +42,18 @@ from earlywarn.guard.episode import Episode
 from earlywarn.guard.install import NO_UPDATE, Installation, PendingStep, is_fused
 from earlywarn.guard.judge import Decision, Judge
 from earlywarn.guard.respond import Responses
+from earlywarn.guard.setup import check_arguments, input_fingerprint, run_mode, warn_unskippable
 from earlywarn.guard.state import WatcherCheckpointState, from_saved, weights_only_safe
 from earlywarn.guard.statistics import StepStatistics, StepTag
-from earlywarn.guard.telemetry import RunClock, Telemetry, safe_call
+from earlywarn.guard.telemetry import RunClock, Telemetry
 from earlywarn.metrics import MetricsConfig
-from earlywarn.policy import Action, Policy, PolicyConfig
+from earlywarn.policy import Policy, PolicyConfig
 from earlywarn.recover import Recovery, RecoveryConfig
 from earlywarn.recover.ema import averaged_copies_warning
-from earlywarn.recover.holders import ZeroState, has_state, state_view
+from earlywarn.recover.holders import has_state
 from earlywarn.recover.statecheck import check_every
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
-_is_compiling = torch.compiler.is_compiling
 _LIVE: "weakref.WeakSet[Watcher]" = weakref.WeakSet()  # watchers attached now: a name when there are several
 _CREATED = itertools.count()  # the order watchers were made in (names are given in that order)
 
@@ -60,12 +64,12 @@ class Watcher:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: WatchConfig, *,
                  scaler: "torch.amp.GradScaler | None" = None, loader: Any = None, scheduler: Any = None,
                  extra_state: Mapping[str, Any] | None = None):
-        _check_arguments(optimizer, scaler, scheduler, extra_state)
+        check_arguments(optimizer, scaler, scheduler, extra_state)
         self.model, self.optimizer, self.config = model, optimizer, config
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         layer_map = build_layer_map(model, optimizer, config.group_by)
         fused = is_fused(optimizer)
-        self.mode = _mode(config, fused, {p.device for p in layer_map.params})
+        self.mode = run_mode(config, fused, {p.device for p in layer_map.params})
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         recovery_cfg = config.recovery or RecoveryConfig()
         self.statistics = StepStatistics(layer_map, optimizer, self.scaler, late=self.mode == "async",
@@ -74,7 +78,7 @@ class Watcher:
         self._detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
         self._policy = Policy(config.policy or PolicyConfig())
         if self.mode == "async":
-            _warn_unskippable(self._policy.cfg)
+            warn_unskippable(self._policy.cfg)
         self.telemetry = Telemetry(RunClock(), layer_map.layer_names, config.metrics or MetricsConfig(),
                                    _name(config, model))
         # calm steps: applied on a test of their vector, folded into the detector and the trackers later
@@ -125,7 +129,7 @@ class Watcher:
         self.recovery.report_plan(self.step, write=None if console is None else console.write)
         if not self.recovery.data.restorable and self.recovery.config.fingerprint_inputs:
             # no loader names the batches: fingerprint the model's inputs (on the device, no sync)
-            self._input_hook = model.register_forward_pre_hook(_input_fingerprint(self.recovery), with_kwargs=True)
+            self._input_hook = model.register_forward_pre_hook(input_fingerprint(self.recovery), with_kwargs=True)
         # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
         if has_state(self.optimizer):
             self.recovery.repair(self.step)
@@ -518,59 +522,6 @@ class Watcher:
             callback(report)
 
 
-def _check_arguments(optimizer: torch.optim.Optimizer, scaler: Any, scheduler: Any,
-                     extra_state: Mapping[str, Any] | None) -> None:
-    if getattr(optimizer, "_earlywarn_watcher", None) is not None:
-        raise RuntimeError(
-            "this optimizer is already watched by earlywarn: call .detach() on the first watcher "
-            "(or reuse it) before calling earlywarn.watch again")
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            "earlywarn cannot guard torch.optim.LBFGS: its step() evaluates the closure up to "
-            "max_iter times and moves the parameters between evaluations, so a NaN gradient met "
-            "inside the line search is applied before any guard could see it. Train LBFGS "
-            "without earlywarn (its own tolerance checks stop on non-finite losses), or use a "
-            "first-order optimizer")
-    if isinstance(state_view(optimizer), ZeroState) and getattr(optimizer, "_overlap_with_ddp", False):
-        raise ValueError(
-            "earlywarn cannot guard a ZeroRedundancyOptimizer built with overlap_with_ddp=True: DDP's "
-            "communication hook steps each rank's share inside backward, and the loop calls no step(), so "
-            "there is no single step to check or skip. Build it with overlap_with_ddp=False (the default) "
-            "to use earlywarn")
-    for what, obj in (("scheduler", scheduler), *((f"extra_state[{k!r}]", v) for k, v in (extra_state or {}).items())):
-        if obj is not None and not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(
-                f"{what}= takes an object with state_dict() and load_state_dict() (e.g. a "
-                f"torch.optim.lr_scheduler.LRScheduler), got {type(obj).__name__}: earlywarn "
-                "restores it on a rewind")
-
-
-def _mode(config: WatchConfig, fused: bool, devices: set) -> str:
-    all_cuda = all(d.type == "cuda" for d in devices)
-    if config.mode == "async" and not fused:
-        raise ValueError(
-            "mode='async' needs an optimizer that can skip on the device, but the optimizer is not fused: "
-            "pass fused=True to torch.optim.Adam/AdamW/SGD, or use mode='sync' (one host read per step)")
-    if config.mode == "async" and not all_cuda and any(d.type == "cuda" for d in devices):
-        raise ValueError(
-            "mode='async' needs every parameter on a CUDA device, but some are on "
-            f"{sorted(str(d) for d in devices if d.type != 'cuda')} (offloaded): the fused step would copy "
-            "the device skip flag to them with non_blocking=True and read it before it lands. Use mode='sync'")
-    # Async only when every parameter is on CUDA (params[0] alone says nothing about the rest).
-    return "async" if config.mode == "async" or (config.mode == "auto" and fused and all_cuda) else "sync"
-
-
-def _warn_unskippable(cfg: PolicyConfig) -> None:
-    ignored = [n for n in ("on_collapse_risk", "on_loss_nonfinite", "on_loss_diverged", "on_grad_spike",
-                           "on_scaler_overflow") if getattr(cfg, n) is Action.SKIP]
-    if ignored:
-        warnings.warn(f"earlywarn: PolicyConfig {', '.join(f'{n}=skip' for n in ignored)} cannot act in "
-                      "async mode: a finite step's update is applied before its statistics arrive "
-                      "(only non-finite steps are skipped, on the device); use mode='sync' to skip spikes")
-
-
 def _name(config: WatchConfig, model: torch.nn.Module) -> str | None:
     """The watcher's name: the configured one; else, once a second watcher exists in the process,
     the model's class name (numbered when two share it), and the unnamed ones already attached
@@ -592,29 +543,6 @@ def _name(config: WatchConfig, model: torch.nn.Module) -> str | None:
         if w.name is None:
             w.telemetry.source = unique(type(w.model).__name__)
     return config.name.strip() if config.name is not None else unique(type(model).__name__)
-
-
-def _input_fingerprint(recovery: Recovery) -> Callable[..., None]:
-    """A forward pre-hook folding the model's inputs (its first tensor argument) into the
-    step's batch fingerprint: training forwards only, on the device, no host sync."""
-    fps = recovery.fingerprints
-
-    def observe(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.is_grad_enabled() and not fps.explicit:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if first is None:
-                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-            if first is not None:
-                fps.observe(first)
-
-    eager = torch.compiler.disable(observe)  # never traced into a compiled model
-
-    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        # the disabled twin only while dynamo traces: its wrapper costs 10-25 us a call in eager
-        # mode (as optimizer.step's did, install._watched_step)
-        return eager(module, args, kwargs) if _is_compiling() else observe(module, args, kwargs)
-
-    return hook
 
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: "torch.amp.GradScaler | None" = None,
