@@ -105,13 +105,13 @@ class _MLP(nn.Module):
 
 
 def _train(window: int, steps: int = 200, *, fault_at: int | None = 160, spike_at: int | None = 120,
-           save_at: int | None = None, monkeypatch=None):
+           save_at: int | None = None, monkeypatch=None, **options):
     monkeypatch.setattr(calmstep, "WINDOW", window)
     torch.manual_seed(0)
     model = _MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sink = _Rows()
-    ew = earlywarn.watch(model, opt, sinks=[sink])
+    ew = earlywarn.watch(model, opt, sinks=[sink], **options)
     g = torch.Generator().manual_seed(1)
     saved = None
     for i in range(steps):
@@ -171,6 +171,42 @@ def test_a_watched_run_is_the_same_with_calm_steps_kept_or_observed_at_once(monk
     for (s, a), (_, b) in zip(on["rows"], off["rows"]):
         assert a.keys() == b.keys() and all(a[k] == b[k] or a[k] != a[k] and b[k] != b[k] for k in a), s
     assert on["order"] == off["order"]
+
+
+def test_a_dry_run_is_the_same_with_calm_steps_kept_or_observed_at_once(monkeypatch):
+    on = _train(calmstep.WINDOW, monkeypatch=monkeypatch, dry_run=True)
+    off = _train(0, monkeypatch=monkeypatch, dry_run=True)
+    assert on["events"] == off["events"] and any("dry run" in m for _, _, m in on["events"])
+    assert on["counters"] == off["counters"] and on["order"] == off["order"]
+    _same_tree(on["params"], off["params"])  # (the NaN of step 160 applied: a dry run acts on nothing)
+    _same_tree(on["state"], off["state"])
+
+
+def test_a_policy_a_calm_step_leaves_watching_has_the_next_step_judged(monkeypatch):
+    # a policy can start watching after a calm step with no alert (the LR creeping up past the
+    # rates the run trained at): the next step must reach Policy.decide exactly as when every
+    # step is observed at once, even in the middle of a window of kept steps
+    from earlywarn.policy import Policy
+
+    watching = Policy.watching.fget
+    ticks = {37, 38, 70, 101, 150, 151, 152, 190}
+    monkeypatch.setattr(Policy, "watching", property(lambda self: watching(self) or self.tick in ticks))
+    decided: list[int] = []
+    decide = Policy.decide
+
+    def spy(self, *a, **k):
+        decided.append(self.tick)
+        return decide(self, *a, **k)
+
+    monkeypatch.setattr(Policy, "decide", spy)
+    runs = []
+    for window in (calmstep.WINDOW, 0):
+        decided.clear()
+        runs.append((_train(window, monkeypatch=monkeypatch), list(decided)))
+    (on, on_ticks), (off, off_ticks) = runs
+    assert on_ticks == off_ticks and ticks <= set(on_ticks)
+    assert on["events"] == off["events"] and on["order"] == off["order"]
+    _same_tree(on["state"], off["state"])
 
 
 @pytest.mark.slow
