@@ -39,8 +39,9 @@ which parameters have a gradient changes from step to step. Held out from the de
 
 ``--against REV``: the guard's in-place host time of the working tree against that of git revision
 ``REV`` (its ``earlywarn/`` package, imported under another name; sinks from the working tree's
-``integrations/``), both with the default sinks, side by side in one process (ABBA): a change of
-~50 us per step shows through the machine's noise, which two separate runs of the table do not.
+``integrations/``), both with the default sinks, side by side in one process (ABBA) with the bare
+loop and the least guard: a change of ~50 us per step shows through the machine's noise, which two
+separate runs of the table do not; each revision's part beyond the least guard is paired by round.
 Not for a loop that clips: both packages would wrap torch's clip functions.
 
 ``--profile`` and ``--knockout``: where one step's host work goes (``benchmarks/step_profile.py``).
@@ -659,16 +660,24 @@ def against() -> None:
     out_dir = tempfile.mkdtemp(prefix="ew-against-out-")
     print(f"the guard's host time per step in place (defaults), {args.against} vs the working tree, one process, "
           f"ABBA, {args.rounds} rounds x {args.block} steps; load average {os.getloadavg()[0]:.1f}")
-    print(f"| shape | bare step | {args.against} | working tree | difference, paired (median, rounds min..max) |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"| shape | bare step | the least guard | {args.against} | working tree | difference, paired (median, rounds "
+          f"min..max) | beyond the least guard, paired: {args.against} | working tree | working tree, % of the step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    us = lambda v: f"{v * 1e6:.0f} us"  # noqa: E731
     for shape in args.shapes.split(","):
-        rec = _interleave({"bare": _Run(shape, "bare", out_dir), "old": _Run(shape, "defaults", out_dir, package=older),
+        rec = _interleave({"bare": _Run(shape, "bare", out_dir), "least": _Run(shape, LEAST_GUARD, out_dir),
+                           "old": _Run(shape, "defaults", out_dir, package=older),
                            "new": _Run(shape, "defaults", out_dir)}, args.rounds, args.block, args.warm)
-        old, new = rec["old"]["guard"], rec["new"]["guard"]
+        old, new, least = rec["old"]["guard"], rec["new"]["guard"], rec["least"]["guard"]
         diff = [n - o for n, o in zip(new, old)]
-        print(f"| {shape} | {statistics.median(rec['bare']['cpu']) * 1e3:.2f} ms | {statistics.median(old) * 1e6:.0f} us | "
-              f"{statistics.median(new) * 1e6:.0f} us | {statistics.median(diff) * 1e6:+.0f} us "
-              f"({min(diff) * 1e6:+.0f}..{max(diff) * 1e6:+.0f}) |", flush=True)
+        # each revision's part beyond the least guard: its host time less the least guard's, same round
+        b_old = statistics.median(o - q for o, q in zip(old, least))
+        b_new = [n - q for n, q in zip(new, least)]
+        share = statistics.median(b / c for b, c in zip(b_new, rec["bare"]["cpu"]))
+        print(f"| {shape} | {statistics.median(rec['bare']['cpu']) * 1e3:.2f} ms | {us(statistics.median(least))} | "
+              f"{us(statistics.median(old))} | {us(statistics.median(new))} | {statistics.median(diff) * 1e6:+.0f} us "
+              f"({min(diff) * 1e6:+.0f}..{max(diff) * 1e6:+.0f}) | {us(b_old)} | {us(statistics.median(b_new))} | "
+              f"{share * 100:.2f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ watcher is flushed (untimed) so one setup's backlog never lands in another's tim
 each block's median step time is divided by the bare step's and by the guard-alone step's; the
 tables give the median over rounds ("x bare": the whole cost; "x guard": what the sinks add).
 Also printed: the training thread's own time in the sink path per step (everything inside
-``Telemetry.log_metrics``: the step's metrics record and every sink call; in brackets the part of
-it spent reading ``detector.score``, which the detector computes on demand), and the CPU that
+``Telemetry.log_rows``: the step's metrics record and every sink call, a calm step's rows up to 16
+at a time, each row its share; in brackets the part of it spent reading ``detector.score``, 0 since
+the score comes with the row), and the CPU that
 background work used per step (the MLflow writer process, W&B's worker thread). Both columns
 are medians over steps; the ratios are medians over rounds of per-block medians.
 
@@ -162,34 +163,20 @@ def fast_step(args: argparse.Namespace, root: str) -> None:
                 ew = earlywarn.watch(model, opt, sinks=sinks, sink_options={k: v for k, v in opts.items() if k in names})
                 spent: list[float] = []
                 score_spent: list[float] = []
-                in_path = [0.0, False]  # detector.score time within this step's sink path; inside it now
-                orig = ew.telemetry.log_metrics
+                orig = ew.telemetry.log_rows
 
-                def timed(step: int, obs: Any, *rest: Any, _orig: Callable = orig, _spent: list = spent,
-                          _score: list = score_spent, _in: list = in_path) -> None:
-                    _in[0], _in[1] = 0.0, True
+                def timed(rows: Any, _orig: Callable = orig, _spent: list = spent, _score: list = score_spent) -> None:
+                    # the training thread's whole sink path: each row's metrics record and every sink
+                    # call (calm steps' rows come up to 16 at once: each row gets its share)
                     t0 = time.perf_counter()
                     try:
-                        _orig(step, obs, *rest)
+                        _orig(rows)
                     finally:
-                        _spent.append(time.perf_counter() - t0)
-                        _score.append(_in[0])
-                        _in[1] = False
+                        share = (time.perf_counter() - t0) / max(len(rows), 1)
+                        _spent.extend([share] * len(rows))
+                        _score.extend([0.0] * len(rows))  # the score comes with the row (the detector's)
 
-                ew.telemetry.log_metrics = timed  # the training thread's whole sink path: build_metrics + sink calls
-                det_cls = type(ew.detector)
-
-                class TimedScore(det_cls):  # the detector's score, when the sink path reads it: timed apart
-                    @property
-                    def score(self, _cls: type = det_cls, _in: list = in_path) -> float:
-                        if not _in[1]:
-                            return _cls.score.fget(self)  # the guard's own read: not the sinks'
-                        t0 = time.perf_counter()
-                        v = _cls.score.fget(self)
-                        _in[0] += time.perf_counter() - t0
-                        return v
-
-                ew.detector.__class__ = TimedScore
+                ew.telemetry.log_rows = timed
             runs[name] = {"model": model, "opt": opt, "ew": ew, "spent": spent if ew else [], "blocks": [],
                           "score": score_spent if ew else [], "cpu": 0.0, "steps": 0, "i": 0}
 

@@ -45,7 +45,7 @@ def _profile_points() -> list[tuple[object, str, str, int]]:
     """(owner, attribute, label, depth): the guard's per-step functions, in the order a step calls them."""
     from earlywarn.capture.gradstats import GradStats
     from earlywarn.detect.detector import StreamingDetector
-    from earlywarn.guard import judge, respond, statistics as stats, telemetry, watcher
+    from earlywarn.guard import calmstep, judge, respond, statistics as stats, telemetry, watcher
     from earlywarn.policy import Policy
     from earlywarn.recover import batches, recovery, snapshots, statecheck
 
@@ -57,6 +57,9 @@ def _profile_points() -> list[tuple[object, str, str, int]]:
         (GradStats, "layer_sq_norms", "per-layer gradient norms", 2),
         (statecheck.StateCheck, "flag", "optimizer-state finiteness flag (every Nth step)", 2),
         (stats.StepStatistics, "read_now", "the host read", 1),
+        (calmstep.CalmSteps, "take", "a calm step: the test of its bands (and the policy's bookkeeping)", 1),
+        (calmstep.CalmSteps, "fold", "calm steps folded in (detector, rows; amortised)", 2),
+        (StreamingDetector, "observe_calm", "detector, calm steps in a block", 3),
         (stats.StepStatistics, "observation", "the Observation", 1),
         (judge.Judge, "__call__", "judge", 1),
         (StreamingDetector, "observe", "detector", 2),
@@ -69,7 +72,7 @@ def _profile_points() -> list[tuple[object, str, str, int]]:
         (snapshots.SnapshotKeeper, "start_due", "snapshot copies (amortised)", 3),
         (snapshots.SnapshotKeeper, "judged", "snapshot confirmation", 3),
         (StreamingDetector, "score", "detector score", 2),
-        (telemetry.Telemetry, "log_metrics", "metric row to the sinks", 2),
+        (telemetry.Telemetry, "log_rows", "metric rows to the sinks (calm steps' when folded)", 2),
     ]
 
 
@@ -273,7 +276,10 @@ def _without_snapshots(ew: Any) -> None:
 
 
 def _without_detector(ew: Any) -> None:
-    ew.detector.observe = lambda obs: []
+    # (a detector that never warms up draws no bands: every step takes the judged path, without it)
+    det = ew.detector
+    det.observe = lambda obs: []
+    det.observe_calm = lambda cols, scores: scores.extend([0.0] * len(cols)) or []
 
 
 def _without_state_check(ew: Any) -> None:
@@ -287,7 +293,7 @@ def _without_fingerprint(ew: Any) -> None:
 
 
 def _without_metric_row(ew: Any) -> None:
-    ew.telemetry.log_metrics = _nothing
+    ew.telemetry.log_rows = _nothing  # (every row goes through it: a judged step's, calm steps' folded)
 
 
 KNOCKOUTS: dict[str, tuple[str, Callable[[Any], None]]] = {

@@ -136,8 +136,8 @@ def test_the_host_vector_is_the_device_vector_entry_for_entry():
             tags.append(tag.users)
             st.close()
         host_vec, dev_vec = vecs
-        assert isinstance(host_vec, np.ndarray)  # the host's copy already: read as it is
-        host_vec = torch.from_numpy(host_vec)
+        assert isinstance(host_vec, list)  # the host's copy already: read as it is
+        host_vec = torch.tensor(host_vec, dtype=torch.float64)
         assert host_vec.dtype == dev_vec.dtype and host_vec.shape == dev_vec.shape
         assert host_vec.numpy().tobytes() == dev_vec.numpy().tobytes(), (step, host_vec, dev_vec)
         assert tags[0] == tags[1]

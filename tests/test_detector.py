@@ -430,7 +430,7 @@ def test_the_run_score_reads_the_runs_own_signals_not_one_of_many_layers():
 def test_the_run_scores_python_maximum_is_numpys_fmax_of_the_ratios():
     # run_score takes the run's few channels in Python (numpy's reduction is dear on a step's cold
     # caches): the same divisions and maximum as np.fmax.reduce, NaN (absent) ignored
-    from earlywarn.detect.detector import _largest_ratio
+    from earlywarn.detect.work import _largest_ratio
 
     rng = np.random.default_rng(11)
     devs = [math.nan, 0.0, -0.0, math.inf, -math.inf, 1e-300, -3.5, 2.25]

@@ -78,9 +78,18 @@ def recovery_in(tmp: Path, rank: int) -> Any:
 
 
 def record(ew: Any) -> list[Any]:
+    """What the detector sees, step by step: the steps it observes, and the calm steps as they are
+    folded in (up to 16 steps later: ``ew.flush()`` folds them all)."""
     seen: list[Any] = []
-    orig = ew.detector.observe
-    ew.detector.observe = lambda obs: (seen.append(obs), orig(obs))[1]
+    det = ew.detector
+    orig, calm = det.observe, det.observe_calm
+    det.observe = lambda obs: (seen.append(obs), orig(obs))[1]
+
+    def observe_calm(cols: Any, scores: list) -> list:
+        seen.extend(cols.observation(i) for i in range(len(cols)))
+        return calm(cols, scores)
+
+    det.observe_calm = observe_calm
     return seen
 
 
@@ -343,6 +352,7 @@ def scenario_rank_local_loss(rank: int, tmp: Path) -> dict[str, Any]:
         before = digest(local_state(ddp.module, opt))
         opt.step()
         skipped.append(before == digest(local_state(ddp.module, opt)))
+    ew.flush()  # (the calm steps still held folded in: every loss the detector sees)
     out = {"losses": [o.loss for o in seen], "events": events(ew), "skipped": skipped,
            "digest": digest(local_state(ddp.module, opt)), "collectives": ew.statistics.reducer.collectives,
            "sinks": [sink.name for sink in ew.sinks], "tracked_steps": len(tracker.steps)}

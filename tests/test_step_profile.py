@@ -35,7 +35,7 @@ WORK = {
     "detector": (Detector, "step"),
     "state check": (StateCheck, "tensors"),
     "fingerprint": (BatchFingerprints, "_hash"),
-    "metric row": (Telemetry, "log_metrics"),
+    "metric row": (Telemetry, "log_rows"),  # every row: a judged step's, calm steps' folded in
 }
 
 

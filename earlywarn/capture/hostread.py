@@ -83,9 +83,9 @@ def record_event(device: torch.device) -> Any:
 class SyncReader:
     late = False
 
-    def push(self, vec: "torch.Tensor | np.ndarray", tag: Any) -> tuple[np.ndarray, Any]:
+    def push(self, vec: "torch.Tensor | np.ndarray | list[float]", tag: Any) -> tuple["np.ndarray | list[float]", Any]:
         # This is the one host sync per step (nothing to wait for on CPU, where it is a view).
-        if type(vec) is np.ndarray:
+        if type(vec) is list or type(vec) is np.ndarray:
             return vec, tag  # made on the host (guard.statistics)
         if vec.is_cpu and not vec.requires_grad:
             return vec.numpy(), tag

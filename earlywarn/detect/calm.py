@@ -25,7 +25,7 @@ _log = math.log
 _np_log, _subtract, _absolute, _less = np.log, np.subtract, np.absolute, np.less
 _copysign, _greater, _not_equal = np.copysign, np.greater, np.not_equal
 _fmax, _fmin, _multiply, _add = np.fmax, np.fmin, np.multiply, np.add
-_logical_and = np.logical_and
+_logical_and, _divide = np.logical_and, np.divide
 _F64 = np.float64
 
 
@@ -70,13 +70,14 @@ def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int, step: in
 
 
 def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int, pattern: int, steps: Sequence[int],
-              lrs: Sequence[float] | None = None) -> int:
+              lrs: Sequence[float] | None = None, scores: list[float] | None = None) -> int:
     """Calm steps, one per row of ``Y[r0:r1]`` (each row a step's log-values, absent channels
     parked on their baseline; same ``pattern`` as the last step; every given value finite
     and > 0), with ``steps[r]`` the step of row ``r`` and ``lrs[r]`` its learning rate (finite,
     >= 0) when the pattern has one. Commits rows while they are calm and returns the first row
     that is not (``r1`` if all were): that row needs the general path, and nothing but scratch
-    vectors was changed for it.
+    vectors was changed for it. ``scores``: each committed row's score is appended to it (the
+    detector's ``score`` after that row).
 
     The one long function of the detector: it runs once per calm step (~6 us), where each
     extra Python call costs ~1%; the rules it applies are rules.py's, as the general path's."""
@@ -162,6 +163,11 @@ def calm_rows(t: Thresholds, w: Work, Y: Sequence[np.ndarray], r0: int, r1: int,
         c3, joint = n3, nj
         if uon:
             uc = nuc
+        if scores is not None:  # as Work.largest_z takes it of a calm step
+            zs = w.z_scratch
+            _divide(dev, wd, zs)
+            m = float(zs[zs.argmax()]) * A
+            scores.append(m if m > 0.0 else 0.0)
         r += 1
     if r > r0:
         cus[0], cus[1], cus[2] = c0, c1, c2

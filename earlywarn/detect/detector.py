@@ -42,9 +42,10 @@ Spikes, skipped steps, overflow steps and non-finite values never enter a baseli
 
 Where things are: the state and its field table (:mod:`~earlywarn.detect.state`), the working
 state (:mod:`~earlywarn.detect.work`), the rules and thresholds (:mod:`~earlywarn.detect.rules`),
-the calm path (:mod:`~earlywarn.detect.calm`), the general path (:mod:`~earlywarn.detect.general`),
-logged columns (:mod:`~earlywarn.detect.columns`), the alerts' wording
-(:mod:`~earlywarn.detect.messages`).
+the calm path (:mod:`~earlywarn.detect.calm`), the general path (:mod:`~earlywarn.detect.general`,
+its records :mod:`~earlywarn.detect.findings`), logged columns (:mod:`~earlywarn.detect.columns`),
+the alerts' wording (:mod:`~earlywarn.detect.messages`), what the state promises about steps not
+yet seen (:mod:`~earlywarn.detect.bands`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from earlywarn.detect.bands import Bands, bands_of
 from earlywarn.detect.calm import calm_frozen_layers, calm_rows, calm_update_values
 from earlywarn.detect.columns import replay_columns
 from earlywarn.detect.config import DetectorConfig
@@ -72,16 +74,6 @@ from earlywarn.events import Event, Level
 _log, _np_log = math.log, np.log
 _F64DT = np.dtype(np.float64)
 _LEVELS = tuple(Level(i) for i in range(max(Level) + 1))
-_divide = np.divide
-
-
-def _largest_ratio(dev: list[float], width: list[float]) -> float:
-    """``np.fmax.reduce(dev / width)`` of a few channels: the largest ratio, NaN (an absent
-    channel) ignored, NaN when every one is."""
-    # (a zero width is never set; were it, numpy's inf / NaN, not ZeroDivisionError)
-    zs = [d / s if s else float(np.divide(d, s)) for d, s in zip(dev, width)]
-    zs = [z for z in zs if z == z]
-    return max(zs) if zs else math.nan
 
 
 class Detector:
@@ -328,6 +320,34 @@ class StreamingDetector:
             start = r
         return out
 
+    def observe_calm(self, cols: StepColumns, scores: list[float]) -> list[tuple[int, Event]]:
+        """Rows of steps a guard kept inside their bands (:mod:`earlywarn.detect.bands`), in
+        order: exactly what ``observe(cols.observation(i))`` of each row gives (the same state,
+        no alerts), with the detector's ``score`` after each row appended to ``scores``. The rows
+        go through the calm path as one block when each passes the calm step's own tests (the
+        same signals, values finite and > 0, every layer present as before, no scale drop);
+        otherwise, from the first that does not, one by one. Alerts as ``(row, alert)`` pairs."""
+        k = len(cols)
+        Y = None if self._lazy else _calm_block(self._w, cols)
+        r = 0
+        if Y is not None:
+            lr = cols.extras.get("lr")
+            r = calm_rows(self.detector.thresholds, self._w, Y, 0, k, self._w.pattern, cols.step.tolist(),
+                          None if lr is None else lr[0].tolist(), scores)
+            scale = cols.extras.get("loss_scale")
+            if r and scale is not None:
+                self._w.loss_scale = float(scale[0][r - 1])
+        out: list[tuple[int, Event]] = []
+        for i in range(r, k):
+            out.extend((i, e) for e in self.observe(cols.observation(i)))
+            scores.append(self.score)
+        return out
+
+    def bands(self, window: int) -> Bands | None:
+        """What the state promises about the next ``window`` steps before they are observed
+        (:mod:`earlywarn.detect.bands`); None where no step may be deferred now."""
+        return bands_of(self.detector.thresholds, self._w, window)
+
     @property
     def state(self) -> DetectorState:
         """A snapshot of the detector's state (a copy: changing it changes nothing)."""
@@ -352,28 +372,7 @@ class StreamingDetector:
         return self._largest_z(layers=False)
 
     def _largest_z(self, *, layers: bool) -> float:
-        w = self._w
-        if w.score_cap:
-            return SCORE_CAP
-        if not w.has_dev or not w.n:
-            return 0.0
-        if not layers:
-            # the run's few channels, in Python: the same divisions and maximum as numpy's, which
-            # costs ~60 us a reduction on caches a training step has emptied (this, a few)
-            width, dev = w.fixed_wd.tolist()
-            m = _largest_ratio(dev, width)
-            if w.n_users:
-                width, dev = w.user_wd.tolist()
-                m = max(m, _largest_ratio(dev, width))
-        else:
-            t = w.z_scratch
-            _divide(w.dev, w.width, t)
-            if w.dev_nan:
-                m = float(np.fmax.reduce(t))  # NaN (absent) ignored
-            else:
-                m = float(t[t.argmax()])  # a calm step: no NaN, and argmax is the cheap reduction
-        m *= self._A
-        return m if m > 0.0 else 0.0
+        return self._w.largest_z(self._A, layers=layers)
 
     def ratios(self) -> tuple[float, float]:
         """The latest step's global gradient norm and loss over their typical values (NaN where a
@@ -425,3 +424,70 @@ class StreamingDetector:
             warnings.warn("loading detector state saved under a different DetectorConfig", stacklevel=2)
         self._w = self.detector.working(state)
         self._lazy = bool(d.get("lazy", False))
+
+
+def _calm_block(w: Work, cols: StepColumns) -> np.ndarray | None:
+    """The rows' log-values, one row per step (absent channels parked on their baselines), if
+    every row passes what :meth:`Detector.step` asks of a calm step before its calm path: the
+    signals of the latest step (every value known: no ``*_known`` mask), finite and > 0 (the
+    loss with its offset; an LR >= 0), every layer present as at the latest step (none
+    reporting 0), nothing skipped or non-finite, no loss scale below the one before. Else None."""
+    pattern = w.pattern
+    if not w.fast or pattern < 0 or cols.skipped is not None or cols.layer_nonfinite is not None:
+        return None
+    ex = cols.extras
+    given = 0
+    for bit, col, known in ((1, cols.grad_norm, cols.grad_known), (2, cols.loss, cols.loss_known),
+                            (LAYERS_BIT, cols.layer_norms, cols.layers_known)):
+        if col is not None:
+            if known is not None:
+                return None
+            given |= bit
+    le = w.layers_end
+    for name, (_, known) in ex.items():
+        if known is not None:
+            return None
+        if name == "lr":
+            given |= LR_BIT
+        elif name.startswith(USER):
+            if name not in w.user_set:
+                return None
+            given |= USER_BIT << (w.channels.index(name) - le)
+        elif name != "loss_scale":
+            return None  # an update or parameter norm: not the guard's
+    if given != pattern or (pattern & LAYERS_BIT and w.n_present != w.n_layers):
+        return None
+    k = len(cols)
+    Y = np.empty((k, w.n))
+    Y[:] = w.logv  # absent channels parked on their baselines
+    run = []
+    if pattern & 1:
+        run.append((GRAD, cols.grad_norm.tolist(), 0.0))
+    if pattern & 2:
+        run.append((LOSS, cols.loss.tolist(), w.loss_shift))
+    for name, (vals, _) in ex.items():
+        if name.startswith(USER):
+            run.append((w.channels.index(name), vals.tolist(), 0.0))
+    for c, vals, shift in run:
+        col = Y[:, c]
+        for i, v in enumerate(vals):
+            v = v + shift  # (+ 0.0 unless the loss has gone <= 0, as the calm path takes it)
+            if not 0.0 < v < math.inf:
+                return None
+            col[i] = _log(v)
+    if pattern & LAYERS_BIT:
+        ln = np.asarray(cols.layer_norms, dtype=np.float64)
+        if cnz(ln > 0.0) != ln.size or not np.isfinite(ln).all():
+            return None
+        np.log(ln, out=Y[:, N_FIXED:le])
+    if pattern & LR_BIT:
+        lr = ex["lr"][0]
+        if not ((lr >= 0.0) & (lr < math.inf)).all():
+            return None
+    scale = ex.get("loss_scale")
+    if scale is not None:  # a drop is an overflow's (NaN compares as no drop, as the step takes it)
+        s = np.asarray(scale[0], dtype=np.float64)
+        if cnz(s < np.concatenate([[w.loss_scale], s[:-1]])):
+            return None
+    return Y
+

@@ -9,11 +9,11 @@ calm step it computes exactly what the calm path (:mod:`earlywarn.detect.calm`) 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 
 from earlywarn.detect import messages
+from earlywarn.detect.findings import Chosen, Deviations, Evidence, Lr, Trouble, Values
 from earlywarn.detect.observation import Observation
 from earlywarn.detect.rules import (LR_JUMPED, LR_RISING, Thresholds, alone_thresholds, cusum, loss_diverging,
                                     lr_push, lr_signals, spike_threshold, together, together_threshold)
@@ -24,59 +24,6 @@ from earlywarn.events import Event, Level
 
 _log = math.log
 _TINY = 1e-300
-
-
-class Values(NamedTuple):
-    """The step's values: run-level ones as given (the fixed ones, then the user signals) and
-    every channel's in log space (NaN: absent; a zero norm is absent too)."""
-
-    given: list[float]
-    logv: np.ndarray
-    user_bad: list[int]  # user signals given as NaN / inf (absent from every baseline)
-    layer_norms: np.ndarray | None
-
-
-class Trouble(NamedTuple):
-    """What is wrong with the step."""
-
-    grad_bad: bool  # a non-finite gradient
-    loss_bad: bool  # a non-finite loss
-    overflow: bool  # a loss-scaler overflow
-    scale_pending: bool  # an overflow whose scale drop has not been read yet
-    new_scale: float  # the loss scale after the step
-    skipped: bool  # the step's values stay out of every baseline and streak
-
-
-class Deviations(NamedTuple):
-    present: np.ndarray  # the channel has a value
-    dev: np.ndarray  # log-deviation from the baseline
-    z: np.ndarray  # dev in units of the scale
-    warm: np.ndarray  # enough values admitted (as of before this step)
-    judged: np.ndarray  # present and warm
-    elevated: np.ndarray  # judged, z >= spike_z and above the minimum ratio (never on a skipped step)
-    any_elevated: bool
-    z_fixed: list[float]  # z of the fixed channels, as floats
-    judged_fixed: list[bool]
-    diverging: bool  # the loss far above its baseline (rules.loss_diverging)
-
-
-class Evidence(NamedTuple):
-    cusums: list[float]  # the run-level CUSUMs (the fixed channels', then the user signals')
-    joint: float  # the together evidence
-    term: float  # this step's together term (NaN: none)
-
-
-class Lr(NamedTuple):
-    rising: bool  # the LR at a new high
-    jump: tuple[float, float] | None  # (lr, the highest it had run at) when it jumped
-
-
-class Chosen(NamedTuple):
-    """The warning rule that holds and the channel it names."""
-
-    rule: str  # escalating | jump | together | alone | layers | user_value | lr_jump
-    chan: int
-    hot_layers: int  # layers elevated to their warn ratio
 
 
 def general_step(t: Thresholds, w: Work, obs: Observation, pattern: int) -> list[Event]:

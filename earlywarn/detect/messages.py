@@ -4,17 +4,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from earlywarn.detect.findings import Chosen, Deviations, Evidence, Values
 from earlywarn.detect.observation import Observation
 from earlywarn.detect.state import GRAD, LAYER, LOSS, N_FIXED, NAN
 from earlywarn.detect.work import Work
 from earlywarn.events import Event, Kind, Level
-
-if TYPE_CHECKING:  # the general path imports this module
-    from earlywarn.detect.general import Chosen, Deviations, Evidence, Values
 
 _ACT = "save a checkpoint now and be ready to rewind; consider lowering the learning rate"
 

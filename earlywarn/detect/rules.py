@@ -27,12 +27,29 @@ def spike_threshold(width: np.ndarray, k: "ChannelThresholds", out: np.ndarray |
     return np.fmax(out, k.log_min, out)
 
 
+def spike_band(mu_lo: np.ndarray, lifted_lo: np.ndarray, log_min: np.ndarray) -> np.ndarray:
+    """The band of :func:`spike_threshold`: a log-value below this is not elevated (and passes
+    the calm path's test) for every state whose baseline is at least ``mu_lo`` and whose
+    ``baseline + width * spike_width`` is at least ``lifted_lo``."""
+    return np.maximum(lifted_lo, mu_lo + log_min)
+
+
+def elevated_band(lifted_lo: np.ndarray, scale_alpha: float, t: "Thresholds", min_scale: np.ndarray) -> np.ndarray:
+    """The band of a run-level signal's z after the step's own update (``run_score``, the
+    episode's test: ``dev * admit_z / width' < spike_z``, with the width already moved toward
+    this step's deviation, by at least ``scale_alpha`` of its floor): below this for every
+    state whose ``baseline + width * spike_width * (1 - scale_alpha)`` is at least
+    ``lifted_lo``."""
+    return lifted_lo + t.spike_z * scale_alpha * min_scale
+
+
 # -- evidence -------------------------------------------------------------------------------------
 def cusum(c: float, z: float, cap: float, k: float) -> float:
     """One step of a one-sided CUSUM: the evidence ``c`` plus this step's ``z`` (winsorised at
     ``cap``) less the allowance ``k``, floored at 0. The run-level channels' CUSUMs (cap
     ``spike_z``, allowance ``drift_k``) and the together evidence (cap ``admit_z``, allowance
-    ``together_k``) are both this."""
+    ``together_k``) are both this. Its band: non-decreasing in ``c`` and ``z``, so upper bounds
+    fed through it give an upper bound (``detect.bands``)."""
     v = c + (z if z < cap else cap) - k
     return v if v > 0.0 else 0.0
 
@@ -44,7 +61,8 @@ def together(e: float, z_grad: float | None, z_update: float | None, z_loss: flo
     The evidence is a CUSUM of the terms, of :func:`cusum`'s form (written out here: this runs
     on every calm step) with its own cap ``admit_z`` and allowance ``together_k``. The update
     norm stands in for a gradient norm that is not given, or for a lower one with
-    ``update_warns``. A side missing: no term, the evidence as it was."""
+    ``update_warns``. A side missing: no term, the evidence as it was. Its band: non-decreasing
+    in ``e`` and both z's, as :func:`cusum`."""
     if z_update is not None and (z_grad is None or (t.update_warns and z_update > z_grad)):
         z_grad = z_update
     if z_grad is None or z_loss is None:
@@ -85,6 +103,12 @@ def loss_diverging(dev: float, z: float, t: "Thresholds") -> bool:
     return dev >= t.log_diverge and z >= t.diverge_z
 
 
+def diverge_band(mu_lo: np.ndarray, wd_lo: np.ndarray, t: "Thresholds") -> np.ndarray:
+    """The band of :func:`loss_diverging`: a log-loss below this is no step of a divergence for
+    every state whose baseline is at least ``mu_lo`` and width at least ``wd_lo``."""
+    return mu_lo + np.maximum(t.log_diverge, t.diverge_z * wd_lo / t.admit_z)
+
+
 # -- the learning rate --------------------------------------------------------------------------
 # The last lr_ref_steps LRs sit in a ring (list, position of the oldest, count seen); ``ref`` is
 # the highest LR of the steps at least lr_ref_steps back: what the run has survived.
@@ -95,7 +119,8 @@ def lr_signals(lr: float, ring: list[float], pos: int, seen: int, ref: float, t:
     """What this step's LR says, read before it enters the ring: ``LR_RISING`` (at a new high:
     above the LR ``lr_ref_steps`` back and the highest before it) and ``LR_JUMPED`` (at least
     ``lr_jump_ratio`` times the highest it had run at, once the ring has seen enough steps to
-    know: a pulse, a steep re-warm-up), as bits."""
+    know: a pulse, a steep re-warm-up), as bits. No band: the bands run it exactly, on a copy
+    of the ring."""
     out = LR_RISING if seen >= t.lr_ref_steps and lr > ring[pos] and lr >= ref else 0
     if seen >= t.lr_ready and ref > 0.0 and lr >= t.lr_jump * ref:
         out |= LR_JUMPED

@@ -58,6 +58,7 @@ class Installation:
         self._sgd = isinstance(optimizer, torch.optim.SGD)  # (its first skipped fused step is special: _fused_step)
         self._flag_device = flag_device
         self._flags: tuple[torch.Tensor, torch.Tensor] | None = None  # found_inf constants, made once
+        self._updates: tuple[PendingStep, PendingStep] | None = None  # (apply, skip) of a sync step
         self.scaler_decided: bool | None = None  # scaler.step decided this step (skip?) before its inner step()
         below = _step_below(optimizer)
         self.real_step = wrap(below if below is not None else types.MethodType(type(optimizer).step, optimizer))
@@ -77,6 +78,13 @@ class Installation:
             return PendingStep(True, None, record)
         if isinstance(skip, torch.Tensor):
             return PendingStep(True, skip, record)
+        if record is None:  # (sync mode: the two updates made once, as the flags are)
+            if self._updates is None:
+                self._updates = (self._make(False, None), self._make(True, None))
+            return self._updates[int(skip)]
+        return self._make(skip, record)
+
+    def _make(self, skip: bool, record: Any) -> PendingStep:
         if self.fused:  # the kernel reads the flag: one code path for applied and skipped steps
             return PendingStep(True, self._flag(skip), record)
         return PendingStep(not skip, None, record)

@@ -53,11 +53,12 @@ class StepTag:
 def as_scalar(value: Any, fn: str, what: str) -> torch.Tensor:
     """A reported scalar as a 0-d tensor: a tensor stays where it is (no host sync)."""
     if isinstance(value, torch.Tensor):
+        if value.dim() == 0:  # (a loss: the usual case, one call fewer)
+            return value.detach()
         if value.numel() != 1:
             raise ValueError(f"{fn} takes a scalar {what}, got a tensor of shape {tuple(value.shape)}: "
                              "reduce it first (e.g. .mean())")
-        value = value.detach()
-        return value if value.dim() == 0 else value.reshape(())
+        return value.detach().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(f"{fn} takes a scalar tensor or a float, got {type(value).__name__}")
@@ -177,10 +178,10 @@ class StepStatistics:
             acc.add(value)
 
     # -- the vector ----------------------------------------------------------------------------------
-    def vector(self, step: int, inv_scale: torch.Tensor | None) -> "tuple[torch.Tensor | np.ndarray, StepTag]":
+    def vector(self, step: int, inv_scale: torch.Tensor | None) -> "tuple[torch.Tensor | list[float], StepTag]":
         """This step's statistics vector (on the device; reduced over ranks) and its tag (without
         the step's batch and run step, which the watcher fills in). On the CPU, read at once
-        (sync mode, one process), it is a numpy array: the host's copy already."""
+        (sync mode, one process), it is a list of floats: the host's copy already."""
         if self.backward_rank is None:
             self._settle_backward_order()
         fence_copies()  # a snapshot still copying the optimizer's tensors is done before this step writes them
@@ -215,7 +216,7 @@ class StepStatistics:
             if self.reducer is None:  # (summed over ranks, the vector's layers are other numbers)
                 sq_sum = sum(layer_sq, 0.0)  # what _sum_of gives of the vector, from the list at hand
             if self.reducer is not None or self.reader.late:
-                vec = torch.from_numpy(vec)  # summed over ranks, or queued: torch's (no copy)
+                vec = torch.from_numpy(np.array(vec, dtype=np.float64))  # summed over ranks, or queued: torch's
         else:
             vec = torch.cat([layer_sq, *(nan if e is None else _onto(e, dev, dt) for e in entries),
                              self._zero_entry if flag is None else flag])
@@ -231,23 +232,26 @@ class StepStatistics:
         return vec, tag
 
     def _host_vector(self, layer_sq: list[float], entries: "list[torch.Tensor | None]",
-                     flag: torch.Tensor | None) -> np.ndarray:
-        """The vector of a run whose statistics live on the CPU, made from Python floats in one
-        numpy call: the same entries as the device's ``torch.cat``, without its small torch ops
-        (see ``capture.gradstats``). A numpy array is what the host reads: a torch tensor made
-        only to be read back costs two more calls, ~40 us on the caches a backward leaves."""
+                     flag: torch.Tensor | None) -> list[float]:
+        """The vector of a run whose statistics live on the CPU, as the host reads it: a list of
+        Python floats (float64), the same entries as the device's ``torch.cat``, without its small
+        torch ops (see ``capture.gradstats``). A calm step reads it as it is; a step to be judged
+        makes it a numpy array (``read_now``'s recount, ``Watcher._judge``): a torch tensor made only
+        to be read back costs two more calls, ~40 us on the caches a backward leaves."""
         v = layer_sq + [math.nan if e is None else _host_value(e) for e in entries]
         v.append(0.0 if flag is None else _host_value(flag))
-        return np.array(v, dtype=np.float64)
+        return v
 
-    def read_now(self, vec: "torch.Tensor | np.ndarray", tag: StepTag) -> np.ndarray:
-        """The step's one batched host read (sync mode); a bad step is recounted exactly."""
+    def read_now(self, vec: "torch.Tensor | list[float]", tag: StepTag) -> "np.ndarray | list[float]":
+        """The step's one batched host read (sync mode); a bad step is recounted exactly. The
+        CPU's vector comes back as the list it is (see ``_host_vector``), a device's as an array."""
         host, _ = self.reader.push(vec, tag)
         L = self.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
         sq_sum = _sum_of(host[:L]) if tag.sq_sum is None else tag.sq_sum
         if math.isfinite(sq_sum):
             tag.sq_sum = sq_sum
             return host
+        host = np.asarray(host, dtype=np.float64)
         tag.sq_sum = None  # the recount below may change the layers' values
         # Rare path (a bad step): a second pass for exact per-layer element counts.
         counts = self.stats.layer_nonfinite_counts()
@@ -268,8 +272,19 @@ class StepStatistics:
             host[:L][overflowed] = exact.cpu().numpy()[overflowed]
         return host
 
-    def observation(self, host: np.ndarray, tag: StepTag) -> Observation:
-        """What the detector sees of a step, on the run's clock (``tag.run_step``)."""
+    def take_lr(self, step: int) -> float | None:
+        """The learning rate ``step`` was taken with (None: unknown), once its vector is read;
+        steps never read (a rewind dropped them) are forgotten with it."""
+        pending = self._step_lr
+        lr = pending.pop(step, None)
+        if pending:
+            for k in [k for k in pending if k < step]:
+                del pending[k]
+        return lr
+
+    def observation(self, host: np.ndarray, tag: StepTag, lr: float | None) -> Observation:
+        """What the detector sees of a step, on the run's clock (``tag.run_step``); ``lr``: its
+        learning rate (:meth:`take_lr`)."""
         L = self.num_layers
         layer_sq = host[:L]
         total = math.sqrt(tag.sq_sum if tag.sq_sum is not None else _sum_of(layer_sq))
@@ -282,11 +297,6 @@ class StepStatistics:
         extras = {"loss_scale": float(host[L + 1])} if self.scaler is not None else {}
         for key, j in tag.users:
             extras[key] = float(host[j])
-        pending = self._step_lr
-        lr = pending.pop(tag.step, None)
-        if pending:
-            for k in [k for k in pending if k < tag.step]:
-                del pending[k]  # steps never read (a rewind dropped them)
         if lr is not None:
             extras["lr"] = lr
         loss = float(host[L]) if tag.loss_reported else None

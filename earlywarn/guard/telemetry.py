@@ -14,7 +14,7 @@ import math
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from earlywarn.detect import Observation
 from earlywarn.events import ALERT_KINDS, Event, Kind
@@ -99,12 +99,18 @@ class Telemetry:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.levels = StepLevels()  # alert_level of the row being built (see emit, log_metrics)
         self.sinks: list[Sink] = []
+        # the rows of calm steps still held (guard.calmstep) go out before any event or count changes
+        self.before_event: Callable[[], None] | None = None
 
     def count(self, name: str, n: int = 1) -> None:
+        if self.before_event is not None:
+            self.before_event()
         self.counters[name] = self.counters.get(name, 0) + n
 
     def emit(self, event: Event) -> None:
         """Record and send one event; its ``step`` is on the run's clock."""
+        if self.before_event is not None:
+            self.before_event()
         if self.source is not None and event.source is None:
             event = dataclasses.replace(event, source=self.source)
         self.events.append(event)
@@ -134,22 +140,36 @@ class Telemetry:
 
     def log_metrics(self, run_step: int, obs: Observation | None, score: float | None) -> None:
         """The row of one step (``run_step``: the run's clock); ``obs`` None: a step with no statistics."""
-        level = self.levels.take()
-        if not any(map(takes_metrics, self.sinks)):
+        if obs is None:
+            self.log_rows([(run_step, None, None, None, None, None)])
+            return
+        user = {k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")} if obs.extras else None
+        self.log_rows([(run_step, obs.grad_norm, obs.loss, obs.layer_norms, user, score)])
+
+    def log_rows(self, rows: Sequence[tuple]) -> None:
+        """The rows of steps in order, each ``(run_step, grad_norm, loss, layer_norms, user
+        signals, score)`` (``None``: not known), as one :meth:`log_metrics` each: the calm
+        steps' come several at once."""
+        sinks = self.sinks
+        if not any(map(takes_metrics, sinks)):
             # no sink does anything with metrics (console only, say): build nothing; every sink
             # still hears that the step is over (the console prints the step's incident then)
-            for sink in self.sinks:
-                safe_call(sink, "log_metrics", run_step, _NO_METRICS)
+            for row in rows:
+                self.levels.take()
+                for sink in sinks:
+                    safe_call(sink, "log_metrics", row[0], _NO_METRICS)
             return
-        # Built on first read, so tracker sinks build it on their own thread, not this one.
-        metrics = StepMetrics(
-            run_step, grad_norm=None if obs is None else obs.grad_norm, loss=None if obs is None else obs.loss,
-            layer_names=self.layer_names, layer_norms=None if obs is None else obs.layer_norms,
-            score=None if obs is None else score, level=level, counters=self.counters, config=self.metrics_config,
-            user=None if obs is None else {k[5:]: v for k, v in obs.extras.items() if k.startswith("user/")},
-        )
-        for sink in self.sinks:
-            safe_call(sink, "log_metrics", run_step, metrics)
+        names, cfg, counters = self.layer_names, self.metrics_config, self.counters
+        calls = [(sink, sink.log_metrics) for sink in sinks]
+        for run_step, grad_norm, loss, norms, user, score in rows:
+            # Built on first read, so tracker sinks build it on their own thread, not this one.
+            metrics = StepMetrics(run_step, grad_norm=grad_norm, loss=loss, layer_names=names, layer_norms=norms,
+                                  score=score, level=self.levels.take(), counters=counters, config=cfg, user=user)
+            for sink, log in calls:
+                try:
+                    log(run_step, metrics)
+                except Exception as exc:  # a tracker must never kill training (as safe_call)
+                    warnings.warn(f"earlywarn: sink {sink.name!r}.log_metrics failed: {redact(sink, exc)}")
 
     def log_halted_row(self) -> None:
         """A step a ``Halt`` ended never had its row logged: log it (level, counters) now."""

@@ -13,6 +13,10 @@ statistics are read and how the update is applied):
 6. ``_after_step``: skip report and bad-batch quarantine, the episode, recovery's snapshots, the
    step's metric row.
 
+Most steps are calm and stop after 2: a step whose vector lies inside the bands the detector
+drew at the last fold, with nothing else due, is applied at once; its detector update and
+metric row are folded in later, in order, as they would have been (``earlywarn.guard.calmstep``).
+
 Entry points: ``optimizer.step()`` (:meth:`Watcher._optimizer_step`, with or without a closure),
 ``scaler.step(optimizer)`` (:meth:`Watcher._scaler_step`: the scaler's overflow steps never call
 ``optimizer.step()``), and :meth:`Watcher.decide_step` / :meth:`Watcher.apply_step` for trainers
@@ -34,18 +38,20 @@ from earlywarn.capture.grouping import build_layer_map
 from earlywarn.capture.updates import scale_free
 from earlywarn.detect import StreamingDetector
 from earlywarn.guard.config import OPTION_NAMES, WatchConfig
+from earlywarn.guard.calmstep import CalmSteps, Current
 from earlywarn.guard.episode import Episode
 from earlywarn.guard.install import NO_UPDATE, Installation, PendingStep, is_fused
 from earlywarn.guard.judge import Decision, Judge
 from earlywarn.guard.respond import Responses
+from earlywarn.guard.setup import check_arguments, input_fingerprint, run_mode, warn_unskippable
 from earlywarn.guard.state import WatcherCheckpointState, from_saved, weights_only_safe
 from earlywarn.guard.statistics import StepStatistics, StepTag
-from earlywarn.guard.telemetry import RunClock, Telemetry, safe_call
+from earlywarn.guard.telemetry import RunClock, Telemetry
 from earlywarn.metrics import MetricsConfig
-from earlywarn.policy import Action, Policy, PolicyConfig
+from earlywarn.policy import Policy, PolicyConfig
 from earlywarn.recover import Recovery, RecoveryConfig
 from earlywarn.recover.ema import averaged_copies_warning
-from earlywarn.recover.holders import ZeroState, has_state, state_view
+from earlywarn.recover.holders import has_state
 from earlywarn.recover.statecheck import check_every
 from earlywarn.sinks.defaults import build_sinks, default_sink_specs
 
@@ -59,28 +65,33 @@ class Watcher:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: WatchConfig, *,
                  scaler: "torch.amp.GradScaler | None" = None, loader: Any = None, scheduler: Any = None,
                  extra_state: Mapping[str, Any] | None = None):
-        _check_arguments(optimizer, scaler, scheduler, extra_state)
+        check_arguments(optimizer, scaler, scheduler, extra_state)
         self.model, self.optimizer, self.config = model, optimizer, config
         self.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         layer_map = build_layer_map(model, optimizer, config.group_by)
         fused = is_fused(optimizer)
-        self.mode = _mode(config, fused, {p.device for p in layer_map.params})
+        self.mode = run_mode(config, fused, {p.device for p in layer_map.params})
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         recovery_cfg = config.recovery or RecoveryConfig()
         self.statistics = StepStatistics(layer_map, optimizer, self.scaler, late=self.mode == "async",
                                          world_size=torch.distributed.get_world_size() if dist else 1,
                                          state_check_every=check_every(optimizer, recovery_cfg.state_check_every))
-        self.detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
-        self.policy = Policy(config.policy or PolicyConfig(), scale_free=scale_free(optimizer))
+        self._detector = StreamingDetector(config.detector, layer_map.layer_names, baseline=config.baseline)
+        self._policy = Policy(config.policy or PolicyConfig(), scale_free=scale_free(optimizer))
         if self.mode == "async":
-            _warn_unskippable(self.policy.cfg)
+            warn_unskippable(self._policy.cfg)
         self.telemetry = Telemetry(RunClock(), layer_map.layer_names, config.metrics or MetricsConfig(),
                                    _name(config, model))
+        # calm steps: applied on a test of their vector, folded into the detector and the trackers later
+        self._calm = CalmSteps(self._detector, self._policy, self.telemetry, self.statistics, self._quiet_steps,
+                               scaler=self.scaler is not None)
+        self.telemetry.before_event = self._calm.fold
         self._created = next(_CREATED)
         ema_note = averaged_copies_warning(model, extra_state, depth=3)  # an EMA a rewind would leave poisoned
         if ema_note:
             warnings.warn(ema_note, RuntimeWarning, stacklevel=3)
-        extra = {"earlywarn_detector": self.detector, "earlywarn_policy": self.policy,
+        extra = {"earlywarn_detector": Current(self._detector, self._calm),
+                 "earlywarn_policy": Current(self._policy, self._calm),
                  "earlywarn_watcher": WatcherCheckpointState(self.telemetry), **(extra_state or {})}
         self.recovery = Recovery(
             model, optimizer, recovery_cfg, scheduler=scheduler, scaler=self.scaler,
@@ -91,7 +102,7 @@ class Watcher:
             late_state=("earlywarn_detector", "earlywarn_policy", "earlywarn_watcher"))
         self.statistics.effective_lr = self.recovery.effective_lr
         self.recovery.dry_run = config.dry_run
-        self.judge = Judge(self.detector, self.policy, self.recovery, scaler=self.scaler is not None,
+        self.judge = Judge(self._detector, self._policy, self.recovery, scaler=self.scaler is not None,
                            late=self.mode == "async", dry_run=config.dry_run)
         self.responses = Responses(self.recovery, self.telemetry, self.statistics, scaler=self.scaler is not None,
                                    flush=self.flush)
@@ -119,7 +130,7 @@ class Watcher:
         self.recovery.report_plan(self.step, write=None if console is None else console.write)
         if not self.recovery.data.restorable and self.recovery.config.fingerprint_inputs:
             # no loader names the batches: fingerprint the model's inputs (on the device, no sync)
-            self._input_hook = model.register_forward_pre_hook(_input_fingerprint(self.recovery), with_kwargs=True)
+            self._input_hook = model.register_forward_pre_hook(input_fingerprint(self.recovery), with_kwargs=True)
         # State that was poisoned before we were attached (a resumed checkpoint) is repaired now.
         if has_state(self.optimizer):
             self.recovery.repair(self.step)
@@ -135,6 +146,18 @@ class Watcher:
         keep the run's own clock, which never goes back: after a rewind from step 152 to the
         snapshot of step 125, ``step`` is 126 and the next metrics are logged at 153."""
         return self.telemetry.clock.step
+
+    @property
+    def detector(self) -> StreamingDetector:
+        """The detector, with every calm step so far folded in."""
+        self._calm.fold()
+        return self._detector
+
+    @property
+    def policy(self) -> Policy:
+        """The response policy, with every calm step so far folded in."""
+        self._calm.fold()
+        return self._policy
 
     @property
     def events(self) -> list:
@@ -234,6 +257,7 @@ class Watcher:
         """The watcher's state (detector, policy, recovery, counters, step and the run's clock) in
         plain types and tensors: ``torch.save`` it and ``torch.load(path)`` (``weights_only=True``)
         reads it back."""
+        self._calm.fold()
         return weights_only_safe({
             **self.telemetry.clock.state_dict(), "counters": dict(self.counters),
             "detector": self.detector.state_dict(), "policy": self.policy.state_dict(),
@@ -241,11 +265,13 @@ class Watcher:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = from_saved(state)
+        self._calm.fold()
         self.telemetry.clock.load_state_dict(state)
         self.counters.update({k: int(v) for k, v in state["counters"].items()})
         self.detector.load_state_dict(state["detector"])
         self.policy.load_state_dict(state["policy"])
         self.recovery.load_state_dict(state["recovery"])
+        self._calm.judged()
 
     def flush(self, timeout: float = 10.0) -> None:
         """Process a step still in flight (async mode) and push buffered sink data out, waiting
@@ -253,6 +279,7 @@ class Watcher:
         once; its records stay buffered)."""
         for host, tag in self.statistics.reader.drain():
             self._judge_late(host, tag)
+        self._calm.fold()
         self.recovery.settle()  # a snapshot still being copied / confirmed
         self.telemetry.log_halted_row()
         self.telemetry.flush(time.monotonic() + timeout)
@@ -264,6 +291,7 @@ class Watcher:
         try:
             for host, tag in self.statistics.reader.drain():
                 self._judge_late(host, tag)
+            self._calm.fold()
         finally:
             self._detached = True
             _LIVE.discard(self)
@@ -329,7 +357,16 @@ class Watcher:
         if self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             self.scaler.unscale_(optimizer)  # what scaler.step would do first; grads are now unscaled
         vec, tag = self._begin(None)
-        decision = self._judge_now(vec, tag)
+        host = self.statistics.read_now(vec, tag)
+        lr = self.statistics.take_lr(tag.step)
+        if self._calm.take(host, tag, lr):
+            install.scaler_decided = False
+            try:
+                return install.real_scaler_step(optimizer, *args, **kwargs)
+            finally:
+                install.scaler_decided = None
+                self._calm_after(tag, lr)
+        decision = self._judge(host, tag, lr)
         if decision.restores:
             self._restore(decision, tag)
         elif decision.policy.clip_factor is not None:
@@ -373,7 +410,13 @@ class Watcher:
             for host, late in ready:
                 self._judge_late(host, late)  # judged now, after this step's update was queued
             return out
-        decision = self._judge_now(vec, tag)
+        host = self.statistics.read_now(vec, tag)
+        lr = self.statistics.take_lr(tag.step)
+        if self._calm.take(host, tag, lr):
+            out = apply(self._install.update(False))
+            self._calm_after(tag, lr)
+            return out
+        decision = self._judge(host, tag, lr)
         if decision.restores:
             self._restore(decision, tag)
             return apply(NO_UPDATE)
@@ -399,15 +442,34 @@ class Watcher:
         clock.step += 1
         return vec, tag
 
-    def _judge_now(self, vec: "torch.Tensor | np.ndarray", tag: StepTag) -> Decision:
-        return self._judge(self.statistics.read_now(vec, tag), tag)
+    def _quiet_steps(self, step: int, k: int) -> int:
+        """How many of the ``k`` steps from ``step`` on may be calm as far as the watcher goes:
+        the policy watching nothing, no incident noted since the last metric row, recovery with
+        nothing due but each step's record (each a calm step's: clean, building only while an
+        alert is recent). Nothing of this moves until a step is judged, an event comes, or the
+        calm steps are folded in: the calm steps draw their bands for these steps only."""
+        if self._policy.watching or self.telemetry.levels.step is not None:
+            return 0
+        ep = self.episode.after(step, (), elevated=False)  # (a calm step elevates nothing: the bands see to it)
+        return self.recovery.quiet_steps(step, k, clean=ep.clean, building=ep.building)
 
-    def _judge(self, host: np.ndarray, tag: StepTag) -> Decision:
+    def _calm_after(self, tag: StepTag, lr: float | None) -> None:
+        """What a calm step leaves besides its kept row: the episode, the step count, its record."""
+        ep = self.episode
+        if ep.elevated or ep.onset is not None:
+            self.episode = ep.after(tag.step, (), elevated=False)
+        self.counters["steps"] = self.step
+        self.recovery.calm_step(tag.step, lr)
+
+    def _judge(self, host: "np.ndarray | list[float]", tag: StepTag, lr: float | None) -> Decision:
+        self._calm.fold()  # the detector and the policy up to date first
+        host = np.asarray(host, dtype=np.float64)  # (the CPU's list of floats: see StepStatistics.read_now)
         # a poisoned optimizer moment (the vector's last entry) is repaired before this step's update
         self.statistics.state_check.repair_if_poisoned(float(host[-1]), self.recovery, tag.step)
-        obs = self.statistics.observation(host, tag)
+        obs = self.statistics.observation(host, tag, lr)
         decision = self.judge(obs, host[:self.statistics.num_layers], tag.counts is not None,
                               tag.step, self.episode)
+        self._calm.judged()
         self.responses.announce(decision, tag)
         return decision
 
@@ -416,7 +478,12 @@ class Watcher:
         queued; the device already skipped it if it was non-finite)."""
         if tag.gen != self._gen:
             return  # applied on a trajectory a rewind has undone since: never judged (as in sync mode)
-        decision = self._judge(host, tag)
+        lr = self.statistics.take_lr(tag.step)
+        # (a copy started when a later step was queued is confirmed when its step is judged)
+        if not self.recovery.copying and self._calm.take(host, tag, lr):
+            self._calm_after(tag, lr)
+            return
+        decision = self._judge(host, tag, lr)
         if decision.restores:
             rewinds = self.recovery.rewinds
             self._restore(decision, tag)
@@ -433,11 +500,11 @@ class Watcher:
         if decision.nonfinite:
             self.telemetry.count("nonfinite_steps")
         # an episode builds on the run's own signals: one of hundreds of layers is elevated by chance
-        elevated = self.detector.run_score >= self.detector.cfg.spike_z
+        elevated = self._detector.run_score >= self._detector.cfg.spike_z
         ep = self.episode = self.episode.after(tag.step, decision.alerts, elevated=elevated)
         self.counters["steps"] = self.step
         self.recovery.after_step(tag.step, clean=ep.clean(tag.step) and not decision.skip, building=ep.building(tag.step))
-        self.telemetry.log_metrics(tag.run_step, decision.obs, self.detector.score)  # after recovery: its checkpoint or repair counts
+        self.telemetry.log_metrics(tag.run_step, decision.obs, self._detector.score)  # after recovery: its checkpoint or repair counts
 
     def _restore(self, decision: Decision, tag: StepTag) -> None:
         """The step ends in a repair (poisoned optimizer state, parameters finite: progress kept)
@@ -448,7 +515,7 @@ class Watcher:
             return
         report = self.responses.rewind(decision, tag, self.episode)
         self.optimizer.zero_grad(set_to_none=True)
-        self.telemetry.log_metrics(tag.run_step, decision.obs, self.detector.score)
+        self.telemetry.log_metrics(tag.run_step, decision.obs, self._detector.score)
         # the training step goes back (the loop's schedule can follow: ew.step); the run's clock
         # for events and metrics goes on from the incident's
         self.telemetry.clock.rewound(tag.step, report.resume_step)
@@ -456,59 +523,6 @@ class Watcher:
         self.episode = self.episode.rewound()
         for callback in self._rewind_callbacks:
             callback(report)
-
-
-def _check_arguments(optimizer: torch.optim.Optimizer, scaler: Any, scheduler: Any,
-                     extra_state: Mapping[str, Any] | None) -> None:
-    if getattr(optimizer, "_earlywarn_watcher", None) is not None:
-        raise RuntimeError(
-            "this optimizer is already watched by earlywarn: call .detach() on the first watcher "
-            "(or reuse it) before calling earlywarn.watch again")
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            "earlywarn cannot guard torch.optim.LBFGS: its step() evaluates the closure up to "
-            "max_iter times and moves the parameters between evaluations, so a NaN gradient met "
-            "inside the line search is applied before any guard could see it. Train LBFGS "
-            "without earlywarn (its own tolerance checks stop on non-finite losses), or use a "
-            "first-order optimizer")
-    if isinstance(state_view(optimizer), ZeroState) and getattr(optimizer, "_overlap_with_ddp", False):
-        raise ValueError(
-            "earlywarn cannot guard a ZeroRedundancyOptimizer built with overlap_with_ddp=True: DDP's "
-            "communication hook steps each rank's share inside backward, and the loop calls no step(), so "
-            "there is no single step to check or skip. Build it with overlap_with_ddp=False (the default) "
-            "to use earlywarn")
-    for what, obj in (("scheduler", scheduler), *((f"extra_state[{k!r}]", v) for k, v in (extra_state or {}).items())):
-        if obj is not None and not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(
-                f"{what}= takes an object with state_dict() and load_state_dict() (e.g. a "
-                f"torch.optim.lr_scheduler.LRScheduler), got {type(obj).__name__}: earlywarn "
-                "restores it on a rewind")
-
-
-def _mode(config: WatchConfig, fused: bool, devices: set) -> str:
-    all_cuda = all(d.type == "cuda" for d in devices)
-    if config.mode == "async" and not fused:
-        raise ValueError(
-            "mode='async' needs an optimizer that can skip on the device, but the optimizer is not fused: "
-            "pass fused=True to torch.optim.Adam/AdamW/SGD, or use mode='sync' (one host read per step)")
-    if config.mode == "async" and not all_cuda and any(d.type == "cuda" for d in devices):
-        raise ValueError(
-            "mode='async' needs every parameter on a CUDA device, but some are on "
-            f"{sorted(str(d) for d in devices if d.type != 'cuda')} (offloaded): the fused step would copy "
-            "the device skip flag to them with non_blocking=True and read it before it lands. Use mode='sync'")
-    # Async only when every parameter is on CUDA (params[0] alone says nothing about the rest).
-    return "async" if config.mode == "async" or (config.mode == "auto" and fused and all_cuda) else "sync"
-
-
-def _warn_unskippable(cfg: PolicyConfig) -> None:
-    ignored = [n for n in ("on_collapse_risk", "on_loss_nonfinite", "on_loss_diverged", "on_grad_spike",
-                           "on_scaler_overflow") if getattr(cfg, n) is Action.SKIP]
-    if ignored:
-        warnings.warn(f"earlywarn: PolicyConfig {', '.join(f'{n}=skip' for n in ignored)} cannot act in "
-                      "async mode: a finite step's update is applied before its statistics arrive "
-                      "(only non-finite steps are skipped, on the device); use mode='sync' to skip spikes")
 
 
 def _name(config: WatchConfig, model: torch.nn.Module) -> str | None:
@@ -532,23 +546,6 @@ def _name(config: WatchConfig, model: torch.nn.Module) -> str | None:
         if w.name is None:
             w.telemetry.source = unique(type(w.model).__name__)
     return config.name.strip() if config.name is not None else unique(type(model).__name__)
-
-
-def _input_fingerprint(recovery: Recovery) -> Callable[..., None]:
-    """A forward pre-hook folding the model's inputs (its first tensor argument) into the
-    step's batch fingerprint: training forwards only, on the device, no host sync."""
-    fps = recovery.fingerprints
-
-    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.is_grad_enabled() and not fps.explicit:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if first is None:
-                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-            if first is not None:
-                fps.observe(first)
-
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(hook) if disable is not None else hook  # never traced into a compiled model
 
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: "torch.amp.GradScaler | None" = None,

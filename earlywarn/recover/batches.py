@@ -192,8 +192,11 @@ class BatchFingerprints:
 
     def observe(self, batch: Any) -> None:
         """Fold ``batch`` (a tensor, or lists / tuples / dicts of them) into this step's fingerprint."""
-        found: list[torch.Tensor] = []
-        _tensors(batch, found)
+        if isinstance(batch, torch.Tensor):
+            found = (batch,)  # (the forward hook's: one tensor)
+        else:
+            found = []
+            _tensors(batch, found)
         for t in found:
             plan = self._plan(t)
             if plan is None:
@@ -201,10 +204,12 @@ class BatchFingerprints:
             if t.requires_grad:
                 t = t.detach()  # held without its graph (the version counter is shared)
             version = t._version
-            if self.hold_steps and self._held_ptrs.get(local(t).data_ptr(), version) != version:
-                # a held batch was overwritten in place: hash as batches come from now on
-                self.hold_steps = 0
-                self._hash_held()
+            if self.hold_steps:
+                ptr = local(t).data_ptr()
+                if self._held_ptrs.get(ptr, version) != version:
+                    # a held batch was overwritten in place: hash as batches come from now on
+                    self.hold_steps = 0
+                    self._hash_held()
             self._meta = zlib.crc32(plan.meta, self._meta)
             self._pending.append((t, version, plan))
 

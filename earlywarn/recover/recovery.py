@@ -216,6 +216,37 @@ class Recovery:
                             values={"lr_factor": 1.0}))
         self.snapshots.judged(step, clean)
 
+    def quiet_steps(self, step: int, k: int, *, clean: Callable[[int], bool], building: Callable[[int], bool]) -> int:
+        """How many of the ``k`` steps from ``step`` on have nothing for :meth:`after_step` to do
+        but record the step (the guard's calm steps): no snapshot or checkpoint due or in flight,
+        no learning-rate ceiling or lowered learning rate in force, no episode open, no repair
+        left unfinished (:attr:`unrepaired`). ``clean`` /
+        ``building``: what :meth:`after_step` would be told of each step."""
+        if self.lr_ceiling.ceiling is not None or not self.recurrence.quiet or self.copying \
+                or self.unrepaired is not None:  # (a repair left state non-finite: the next update is the judge's)
+            return 0
+        seen = self.history.last_step
+        due, window = self.snapshots.due, self.window
+        for j in range(k):
+            s = step + j
+            # (a step recorded already, when its update was queued in async mode, starts nothing)
+            if (seen is None or s > seen) and clean(s) and window.clean(s) and due(s, building(s)):
+                return j
+        return k
+
+    @property
+    def copying(self) -> bool:
+        """A snapshot or checkpoint copy is in flight (not yet confirmed and kept)."""
+        return self.snapshots.copying
+
+    def calm_step(self, step: int, lr: float | None) -> None:
+        """:meth:`after_step` of a step :meth:`quiet` said has nothing else due: the batch it drew
+        recorded, and ``lr``, the learning rate it was taken with (no ceiling or factor applies)."""
+        seen = self.history.last_step
+        if seen is None or step > seen:
+            self.history.record(step)
+        self.recurrence.record_lr(step, lr)
+
     def settle(self) -> None:
         """Finish the snapshot in flight, if any (waits for its copy): the ring is then current."""
         self.snapshots.settle(block=True)

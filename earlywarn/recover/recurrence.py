@@ -118,6 +118,15 @@ class Recurrence:
             self.episode = None  # trained past the incident: the rewind held
         return ended
 
+    @property
+    def quiet(self) -> bool:
+        """No episode open and no lowered learning rate: :meth:`after_step` would only record."""
+        return self.episode is None and self._cut is None
+
+    def record_lr(self, step: int, lr: float | None) -> None:
+        """:meth:`after_step` while :attr:`quiet`."""
+        self._lr.append((step, lr))
+
     def lr_at(self, step: int) -> float | None:
         """The learning rate recorded at ``step`` (None when it is no longer in the history)."""
         return next((lr for s, lr in reversed(self._lr) if s == step), None)

@@ -176,11 +176,7 @@ class SnapshotKeeper:
         and ``clean`` (nothing known so far makes the step unclean); none while one is in flight."""
         if self._provisional is not None:
             return
-        cfg = self.config
-        last = self.last_snapshot
-        every = cfg.every_building if building else cfg.every
-        snap_due = self.ring is not None and (last is None or step - last >= every or step < last)
-        ckpt_due = self.checkpoints is not None and step - self.last_checkpoint >= cfg.checkpoint_every
+        snap_due, ckpt_due = self._due(step, building)
         if not (snap_due or ckpt_due) or not clean:
             return
         # A snapshot is only clean if what the optimizer writes is finite: the flag is computed on
@@ -199,6 +195,24 @@ class SnapshotKeeper:
             self.last_snapshot = step
         if ckpt_due:
             self.last_checkpoint = step
+
+    def _due(self, step: int, building: bool) -> tuple[bool, bool]:
+        """Whether a snapshot, and a checkpoint, are due at ``step``."""
+        cfg = self.config
+        last = self.last_snapshot
+        every = cfg.every_building if building else cfg.every
+        snap_due = self.ring is not None and (last is None or step - last >= every or step < last)
+        ckpt_due = self.checkpoints is not None and step - self.last_checkpoint >= cfg.checkpoint_every
+        return snap_due, ckpt_due
+
+    def due(self, step: int, building: bool) -> bool:
+        """A snapshot or checkpoint is due at ``step``: :meth:`start_due` starts one there if clean."""
+        return any(self._due(step, building))
+
+    @property
+    def copying(self) -> bool:
+        """A copy is in flight (started, not yet confirmed and kept)."""
+        return self._provisional is not None
 
     def judged(self, step: int, clean: bool) -> None:
         """``step`` was judged (``clean``: no incident within the clean window): confirm or drop

@@ -6,13 +6,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 from earlywarn.events import Event, Kind, Level
 from earlywarn.sinks.base import PermanentSinkError
-
-if TYPE_CHECKING:
-    from earlywarn.sinks.background import BackgroundOptions
 
 log = logging.getLogger("earlywarn.sinks")
 
@@ -83,24 +80,28 @@ class Retrier:
     (``flush()``, ``finish()``) ends at once, and outages said once each (a warning, and a
     ``Kind.SINK`` event to ``on_status`` when it goes down and when it is back).
 
-    Shares the sink's lock (``cond``) and ``counters`` (it counts ``failures``)."""
+    Shares the sink's lock (``cond``) and ``counters`` (it counts ``failures``); the timings and
+    the buffer's bound are the sink's ``BackgroundOptions``, passed as numbers (this module knows
+    nothing of the sink that uses it)."""
 
-    def __init__(self, name: str, cond: threading.Condition, options: "BackgroundOptions",
+    def __init__(self, name: str, cond: threading.Condition, *, backoff_initial: float, backoff_max: float,
+                 down_timeout: float, close_timeout: float, max_buffered_values: int,
                  redact: Callable[[str], str], on_status: Callable[[Event], None] | None,
                  counters: dict[str, int]) -> None:
         self.name = name
-        self.clock = RetryClock(options.down_timeout, options.close_timeout)
+        self.clock = RetryClock(down_timeout, close_timeout)
         self.last_error: str | None = None
         """The last error from the tracker, redacted."""
         self._cond = cond
-        self._options = options
+        self._backoff = (backoff_initial, backoff_max)
+        self._max_values = max_buffered_values
         self._redact = redact
         self._on_status = on_status
         self._counters = counters
         self._kicked = False
 
     def delays(self) -> Iterator[float]:
-        return backoff(self._options.backoff_initial, self._options.backoff_max)
+        return backoff(*self._backoff)
 
     def kick(self) -> None:
         """End the backoff wait under way (or the next one) at once; the caller holds the lock."""
@@ -155,7 +156,7 @@ class Retrier:
             self._cond.notify_all()  # a finish() waiting on a healthy budget recomputes its deadline
         if began:
             log.warning("earlywarn: sink %r failed to %s (%s); buffering (up to %d values) and retrying with backoff",
-                        self.name, what, self.last_error, self._options.max_buffered_values)
+                        self.name, what, self.last_error, self._max_values)
             self._status(Level.WARNING, f"tracker {self.name} is down: {self.last_error}")
 
     def succeeded(self) -> None:

@@ -138,7 +138,10 @@ class BackgroundSink(Sink):
         self._cond = threading.Condition(threading.Lock())
         self._buffer = RecordBuffer(opts.max_buffered_values, opts.max_buffered_events, opts.max_batch_values)
         self._state = Lifecycle.NEW
-        self._retry = Retrier(self.name, self._cond, opts, self._redact, on_status, self.counters)
+        self._retry = Retrier(self.name, self._cond, backoff_initial=opts.backoff_initial,
+                              backoff_max=opts.backoff_max, down_timeout=opts.down_timeout,
+                              close_timeout=opts.close_timeout, max_buffered_values=opts.max_buffered_values,
+                              redact=self._redact, on_status=on_status, counters=self.counters)
         self._spool = Spool(self.name, opts.spool_path, self._redact, self.counters, self._cond)
         self._thread: threading.Thread | None = None
         self._settled = threading.Event()  # start succeeded, failed, or was deferred (tracker unreachable)
