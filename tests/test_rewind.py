@@ -309,7 +309,7 @@ def test_blame_without_a_loader_reads_as_a_sentence():
 # End to end through earlywarn.watch: the detector and policy decide, recovery acts.
 
 
-def test_watch_skips_a_corrupt_batch_and_accounts_for_every_batch(tmp_path):
+def test_watch_bounds_a_corrupt_batch_and_accounts_for_every_batch(tmp_path):
     import earlywarn
 
     loader = make_loader("resumable")
@@ -338,7 +338,7 @@ def test_watch_skips_a_corrupt_batch_and_accounts_for_every_batch(tmp_path):
                 trained.append((step, pos))
     # epoch 0 meets the corrupt record in its first steps, before the gradient has a baseline:
     # its update is applied, the run blows up and is rewound; epoch 1 meets it with a baseline:
-    # an outlier gradient, skipped at its own step and quarantined, nothing rewound
+    # an outlier gradient, taken at its typical norm (one ordinary step), nothing rewound
     rewinds = [e for e in ew.events if e.kind == Kind.REWIND]
     assert len(rewinds) == 1 and rewinds[0].step < N // BS
     outliers = [e for e in ew.events if e.kind == Kind.GRAD_OUTLIER]
@@ -352,7 +352,10 @@ def test_watch_skips_a_corrupt_batch_and_accounts_for_every_batch(tmp_path):
     assert len(everything) == len(set(everything))  # nothing trained twice, nothing counted twice
     assert set(everything) == {(e, b) for e in range(2) for b in range(N // BS)}
     bad_positions = {(e, b) for e in range(2) for b in range(N // BS) if BAD in loader.sample_indices(e, b)}
-    assert bad_positions <= set(q_pos)  # the corrupt record never trained
+    assert {p for p in bad_positions if p[0] == 0} <= set(q_pos)  # the rewound-over one never trained
+    clips = [e for e in ew.events if e.kind == Kind.CLIP]
+    assert len(clips) == 1 and clips[0].step == outliers[0].step  # the other taken bounded, at its typical norm
+    assert clips[0].values["clip_factor"] * outliers[0].values["ratio"] == pytest.approx(1.0)
     assert scan_state(model, opt).clean
     lines = (tmp_path / "q.jsonl").read_text().splitlines()
     assert len(lines) == len(quarantined)
