@@ -67,6 +67,7 @@ class LrTrend:
         self.level = (math.nan, math.nan)  # the mean loss before the rise, the standard error a change of it has
         self.held = False  # the policy held the learning rate for this rise already
         self.first_loss = math.nan  # the run's first finite loss: what it knew at the start
+        self.fine_at = 0  # the step count when a creep's loss was last within one error of its level
 
     def push(self, lr: float, loss: float = math.nan) -> None:
         if not lr == lr:
@@ -87,11 +88,21 @@ class LrTrend:
             self.losses.append(loss)
             if self.first_loss != self.first_loss:
                 self.first_loss = loss
+        if self.rising >= RISE_STEPS:  # (a creep: rare) where the loss was last no worse than before it
+            mean, err = self.level
+            if self.rising == RISE_STEPS or not self.losses or not math.fsum(self.losses) / len(self.losses) > mean + err:
+                self.fine_at = self.seen
 
     @property
     def creeping(self) -> bool:
         """The learning rate has risen step after step, past the rate the run trained at before."""
         return self.rising >= RISE_STEPS and self.prev >= RISE_RATIO * self.calm_lr  # (False on NaN)
+
+    @property
+    def worse_for(self) -> int:
+        """Steps since the creep's loss was last within one standard error of its level (the
+        worsening a rewind goes back before)."""
+        return self.seen - self.fine_at
 
     @property
     def stalled(self) -> bool:
@@ -106,7 +117,7 @@ class LrTrend:
         return {"seen": self.seen, "prev": nan_none(self.prev), "rising": self.rising, "calm_lr": nan_none(self.calm_lr),
                 "peak": self.peak, "peak_before": nan_none(self.peak_before), "losses": list(self.losses),
                 "level": [nan_none(v) for v in self.level], "held": self.held,
-                "first_loss": nan_none(self.first_loss)}
+                "first_loss": nan_none(self.first_loss), "fine_at": self.fine_at}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         none_nan = lambda v: math.nan if v is None else float(v)  # noqa: E731
@@ -121,6 +132,7 @@ class LrTrend:
         self.level = (none_nan(level[0]), none_nan(level[1]))
         self.held = bool(d.get("held", False))
         self.first_loss = none_nan(d.get("first_loss"))
+        self.fine_at = int(d.get("fine_at", 0))
 
 
 def _level(losses: deque[float]) -> tuple[float, float]:

@@ -228,10 +228,10 @@ class Policy:
             # the learning rate crept up into a worse loss: back to the rate it rose from, not the
             # highest it took calmly (a warning alone held healthy warm restarts and cycles)
             hold, ceiling, trend.held = trend.calm_lr, None, True
-            # and back to before the window that got worse: its steps at the highest rates did the damage
+            # and back to before the loss began to worsen: its steps at the highest rates did the damage
             triggers.append("lr_creep")
             wanted.setdefault(Action.REWIND, "the learning rate crept up into a worse loss")
-            back = max(back, LOSS_STEPS)
+            back = max(back, trend.worse_for + LOSS_STEPS)
             reasons.append(f"learning rate held at {hold:.3g}: it crept up {trend.rising} steps in a row to "
                            f"{trend.prev / hold:.3g}x the rate the run trained at before "
                            f"({trend.prev / trend.peak_before:.3g}x the highest it had taken) while the loss got worse "
