@@ -157,7 +157,8 @@ def test_attaches_to_the_active_run_and_leaves_it_open(mlflow_sqlite_uri, monkey
 
 def test_no_sinks_configured_goes_to_embedded_mlflow_and_jsonl(mlflow_template_db, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for var in ("MLFLOW_TRACKING_URI", "EARLYWARN_SINKS", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+    for var in ("MLFLOW_TRACKING_URI", "EARLYWARN_SINKS", "EARLYWARN_OUTPUT_DIR", "MLFLOW_EXPERIMENT_NAME",
+                "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
     # pre-migrated, so the test skips the ~6 s of migrations a first run does
     (tmp_path / "earlywarn_output").mkdir()  # default files go there
