@@ -88,8 +88,8 @@ class LrTrend:
             self.losses.append(loss)
             if self.first_loss != self.first_loss:
                 self.first_loss = loss
-        if self.rising >= RISE_STEPS:  # (a creep: rare) where the loss was last no worse than before it
-            mean, err = self.level
+        if self.rising >= RISE_STEPS and self.calm_lr == self.calm_lr:  # a creep (rare): where the loss was
+            mean, err = self.level  # last no worse than before it (a warm-up has no level: nothing to read)
             if self.rising == RISE_STEPS or not self.losses or not math.fsum(self.losses) / len(self.losses) > mean + err:
                 self.fine_at = self.seen
 

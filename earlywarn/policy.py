@@ -94,7 +94,10 @@ class PolicyDecision:
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
     lr_hold: float | None = None
     """From this step on, step at no more than this learning rate while the loop's is above it: the
-    rate the run trained at before its learning rate crept up into this trouble (flat, no warming)."""
+    rate the run trained at before its learning rate crept up into this trouble, or a lower one
+    for attention logits that grew (flat, no warming)."""
+    lr_hold_why: str = ""
+    """Why ``lr_hold`` (the ``lr_hold`` event says it)."""
 
     def __contains__(self, action: object) -> bool:
         return action in self.actions
@@ -222,7 +225,7 @@ class Policy:
             self.tail_revoked = True  # taking the run's tail damaged it: such outliers are skipped again
             reasons.append(f"outliers with the loss at its level are bounded again: the loss rose after one taken at "
                            f"step {self.tail_taken}")
-        hold = None
+        hold, hold_why = None, ""
         trend = self.lr_trend
         if trend.stalled and not trend.held:
             # the learning rate crept up into a worse loss: back to the rate it rose from, not the
@@ -232,18 +235,19 @@ class Policy:
             triggers.append("lr_creep")
             wanted.setdefault(Action.REWIND, "the learning rate crept up into a worse loss")
             back = max(back, trend.worse_for + LOSS_STEPS)
-            reasons.append(f"learning rate held at {hold:.3g}: it crept up {trend.rising} steps in a row to "
-                           f"{trend.prev / hold:.3g}x the rate the run trained at before "
-                           f"({trend.prev / trend.peak_before:.3g}x the highest it had taken) while the loss got worse "
-                           f"than before it began to rise (mean of the last {LOSS_STEPS} steps); held at the rate it "
-                           "rose from")
+            hold_why = (f"it crept up {trend.rising} steps in a row to {trend.prev / hold:.3g}x the rate the run "
+                        f"trained at before ({trend.prev / trend.peak_before:.3g}x the highest it had taken) while the "
+                        f"loss got worse than before it began to rise (mean of the last {LOSS_STEPS} steps); held at "
+                        "the rate it rose from")
+            reasons.append(f"learning rate held at {hold:.3g}: {hold_why}")
         grown = next((a for a in alerts if a.kind is Kind.LOGIT_GROWTH), None)
         if grown is not None and hold is None and cfg.logit_lr_factor < 1.0 and evidence.lr > 0.0:
             # a rate too high for the model: lower it, again at each doubling of the logit
             rate = min(evidence.lr, self.logit_lr) if self.logit_lr == self.logit_lr else evidence.lr
             hold = self.logit_lr = cfg.logit_lr_factor * rate
-            reasons.append(f"learning rate held at {hold:.3g}: the attention logits grew to "
-                           f"{grown.values.get('value', math.nan):.3g} at {rate:.3g} (attention-logit growth)")
+            hold_why = (f"the attention logits grew to {grown.values.get('value', math.nan):.3g} at {rate:.3g} "
+                        "(attention-logit growth)")
+            reasons.append(f"learning rate held at {hold:.3g}: {hold_why}")
         if self.trained_on is not None and Action.REWIND not in wanted:
             burst_back, why = self._burst_end(alerts, evidence, t)
             if burst_back:
@@ -273,7 +277,7 @@ class Policy:
             onset_back=back if Action.REWIND in wanted else 0,
             lr_ceiling=ceiling if Action.REWIND in wanted else None, lr_copy=lr_copy and not restores,
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
-            lr_hold=hold,
+            lr_hold=hold, lr_hold_why=hold_why if hold is not None else "",
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
             clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores
             else "")

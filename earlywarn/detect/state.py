@@ -14,6 +14,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from earlywarn.attention import SIGNAL as ATTENTION_SIGNAL
+
 # fixed channels, then one per layer, then one per user signal
 GRAD, LOSS, UPDATE, PARAM = 0, 1, 2, 3
 N_FIXED = 4
@@ -22,7 +24,7 @@ LAYER = "grad_norm/"  # a layer's channel is "grad_norm/<layer>"
 USER = "user/"  # a user's own run-level signal (``Watcher.report``; a log column ``earlywarn/user/<name>``)
 # user signals with a rule of their own and no channel: the attention logits (earlywarn.attention)
 # grow by design through a warm-up, and a relative rule on them warned on healthy runs
-OWN_RULE = (USER + "attn_logit_max",)
+OWN_RULE = (USER + ATTENTION_SIGNAL,)
 
 
 def tracked_user(key: str) -> bool:

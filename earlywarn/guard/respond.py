@@ -245,8 +245,7 @@ class Responses:
         how = f", doubling every {self.recovery.lr_ceiling.rewarm} calm steps" if jump else ""
         how += " while the loop's learning rate stays above it"
         if decision.policy.lr_hold is not None:  # the policy says why (a creep, the attention logits)
-            what = next((r.split(": ", 1)[1] for r in decision.policy.reasons if r.startswith("learning rate held at")), "")
-            rate = ""
+            what, rate = decision.policy.lr_hold_why, ""
         else:
             what, rate = ("a jump" if jump else "a rise"), " (the highest it had run at calmly)"
         self._emit(Event(
