@@ -31,22 +31,35 @@ ordinary step. A climb is applied, its growth bounded to this factor a step over
 reached: skipping it held ramped runs for 40 steps, and a 1e4x batch inside it passes bounded."""
 
 BURST_END_DROP = 6.0
-"""See ``BURST_END_LOSS``: a run ends in one step where its gradient falls this many times under
-both the step before's and its level in the run (the geometric mean of its ratios), as a burst's
-does when clean batches come back; a new regime is learned down gradually."""
+"""See ``BURST_END_LOSS``: a run ends in one step where its gradient norm falls this many times
+under both the step before's and its level in the run (the geometric mean of its norms), as a
+burst's does when clean batches come back; a new regime is learned down gradually. The norm, not
+its ratio to the typical: ~100 steps into a new regime the detector's baseline moves to it and the
+ratio falls in one step while the norm holds (a loss scaled 8x on purpose was rewound so)."""
 
 BURST_END_LOSS = 2.0
-"""A run of outliers trained on (bounded) that ends in one step (``BURST_END_DROP``)
-with the loss this many times its level before the run or more was a burst of bad batches that
-damaged the model (the model's gradient on clean batches stays elevated while it recovers):
-rewound to before it. A regime that ends so (a loss weight raised for a phase) left the model
-trained, its loss at its level. The cost: a deliberate phase of 41-100 steps of outlier-sized
-gradients after which the model has forgotten the earlier data 2x is rewound too."""
+"""A run of outliers trained on (bounded) that ends in one step (``BURST_END_DROP``) with the loss
+this many times its level before the run or more, and is so still ``BURST_HEAL_STEPS`` later, was a
+burst of bad batches that damaged the model: rewound to before it. A regime that ends so (a loss
+weight raised for a phase) left the model trained, its loss at its level; a phase of other data
+(a new pool for 45-95 steps) ends with the model having forgotten the earlier data (3.2x), and
+recovers it within those steps (1.3x)."""
 
 BURST_END_LOST = 0.5
 """See ``BURST_END_LOSS``: ... or with this fraction of the run's progress lost (the loss this
 far from its level before the run back to the run's first loss): a classifier's loss is bounded
 by chance, so a burst that erased what it learned can leave it under 2x its level."""
+
+BURST_HEAL_STEPS = 30
+"""See ``BURST_END_LOSS``: a run that ended with the loss damaged is judged this many steps after
+its end, on the mean loss of the last ``HEAL_MEAN`` steps. Measured on the rescue families (seed
+bases 0, 23, 61), with no rewind: a 32-step phase of another data pool ended at 3.2x its level and
+was at 1.7x 20 steps later, 1.3x 30 later; a burst of shuffled labels that bare dies of ended at
+2.4x and stayed there (2.4x, 2.4x). Four bursts that ended damaged healed so by themselves and
+kept 0.97-0.99 of their twin's progress unrewound."""
+
+HEAL_MEAN = 5
+"""See ``BURST_HEAL_STEPS``."""
 
 BURST_END_TRAINED = 5
 """See ``BURST_END_LOSS``: a run is judged at its end once it was trained on for this many steps

@@ -19,6 +19,7 @@ from earlywarn.events import Event, Kind, Level
 from earlywarn.lrtrend import LOSS_STEPS, LrTrend
 from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, importable from here too)
     BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
+    BURST_HEAL_STEPS, HEAL_MEAN,
     CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
     TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH, outlier_note)
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
@@ -48,6 +49,18 @@ def _with_state(action: Action, kind: Kind, state_finite: bool | None) -> Action
     return action
 
 
+def _size(ev: "Evidence") -> float:
+    """The step's gradient size a run of outliers is followed by: its norm, or where a caller
+    knows only the ratio, that (the same within a run whose baseline holds)."""
+    return ev.grad_norm if ev.grad_norm == ev.grad_norm else ev.grad_ratio
+
+
+def _progress_lost(loss: float, level: float, first: float) -> float:
+    """The fraction of the progress from the run's ``first`` loss down to ``level`` that ``loss`` has
+    lost (NaN where the loss is not positive, or did not fall)."""
+    return (loss - level) / (first - level) if first > level > 0.0 else math.nan
+
+
 class Evidence(NamedTuple):
     """What the policy reads of a step besides its alerts (NaN: not known, e.g. before a baseline)."""
 
@@ -59,6 +72,9 @@ class Evidence(NamedTuple):
     """The learning rate the step takes."""
     loss: float = math.nan
     """The step's loss as reported (the learning rate's trend reads it)."""
+    grad_norm: float = math.nan
+    """The global gradient norm itself: a run of outliers ends where it falls (its ratio also falls
+    where the detector's baseline moves to the run's level)."""
 
 
 @dataclass(frozen=True)
@@ -141,9 +157,13 @@ class Policy:
         self.tail_loss = 0.0  # the highest loss ratio among the tail's outliers
         self.run_start: int | None = None  # tick of the run's first outlier
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
-        # the run's gradient ratios so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
+        # the run's gradient norms so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
         self.run_level: tuple[float, int, float] = (0.0, 0, 0.0)
         self.burst_rewound: int | None = None  # tick of the latest rewind to before a burst (BURST_END_*)
+        # a run ended with the loss damaged, watched for BURST_HEAL_STEPS: (the run's first tick, its
+        # end's, the loss's level before it, the run's first loss) and the losses since
+        self.burst_watch: tuple[int, int, float, float] | None = None
+        self.burst_losses: list[float] = []
         self.big_applied: int | None = None  # tick of the latest update applied with an outlier-sized gradient
         self.abnormal: int | None = None  # tick of the latest abnormal update applied (an outlier, an LR jump)
         # an LR jump under watch: (tick its watch began, tick of the jump, the highest LR survived before it)
@@ -249,7 +269,9 @@ class Policy:
                         "(attention-logit growth)")
             reasons.append(f"learning rate held at {hold:.3g}: {hold_why}")
         if self.trained_on is not None and Action.REWIND not in wanted:
-            burst_back, why = self._burst_end(alerts, evidence, t)
+            self._burst_end(alerts, evidence, t)
+        if self.burst_watch is not None and Action.REWIND not in wanted:
+            burst_back, why = self._burst_healed(evidence, t)
             if burst_back:
                 self.burst_rewound = t
                 triggers.append("burst_end")
@@ -336,35 +358,50 @@ class Policy:
             return Action.NONE, None, ""
         return Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free)
 
-    def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> tuple[int, str]:
+    def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> None:
         """A run trained on past the skip budget that ends in one step -- its gradient
         ``BURST_END_DROP`` times under its level in the run and under the step before's, and no
         outlier any more (a model that forgot data it had memorized meets it again at outlier
         size) -- with the loss ``BURST_END_LOSS`` times its level before the run or more (or
-        ``BURST_END_LOST`` of the run's progress lost), trained
-        on for ``BURST_END_TRAINED`` steps or more and within ``BURST_END_WITHIN`` steps of its
-        start (the detector's baselines are still the run's before): a burst of bad batches that
-        outlasted the budget, and damaged the model. -> (steps back to before the run, why; 0
-        and "": not one)."""
+        ``BURST_END_LOST`` of the run's progress lost), trained on for ``BURST_END_TRAINED`` steps
+        or more and within ``BURST_END_WITHIN`` steps of its start (the detector's baselines are
+        still the run's before): a burst of bad batches that damaged the model, or a phase of other
+        data the run recovers from. Watched for ``BURST_HEAL_STEPS`` (:meth:`_burst_healed`)."""
         start, (logs, n, last) = self.run_start, self.run_level
         if (start is None or self.trained_on is None or t - start >= BURST_END_WITHIN
-                or t - self.trained_on < BURST_END_TRAINED or not n or not ev.grad_ratio > 0.0
+                or t - self.trained_on < BURST_END_TRAINED or not n or not _size(ev) > 0.0
                 or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
-            return 0, ""
-        # damaged: the loss a multiple of its level before the run, or half the run's progress lost
+            return
         level, first = ev.loss / ev.loss_ratio, self.lr_trend.first_loss
-        lost = (ev.loss - level) / (first - level) if first > level > 0.0 else math.nan
-        if not (ev.loss_ratio >= BURST_END_LOSS or lost >= BURST_END_LOST):
+        if not (ev.loss_ratio >= BURST_END_LOSS or _progress_lost(ev.loss, level, first) >= BURST_END_LOST):
+            return
+        level_in_run = logs / n
+        fell = math.log(_size(ev) * BURST_END_DROP)
+        if fell <= level_in_run and fell <= last:
+            self.burst_watch, self.burst_losses = (start, t, level, first), []
+
+    def _burst_healed(self, ev: Evidence, t: int) -> tuple[int, str]:
+        """A run that ended with the loss damaged, ``BURST_HEAL_STEPS`` later: the loss (the mean
+        of the last ``HEAL_MEAN`` steps) damaged still -> (steps back to before the run, why);
+        recovered (a phase of other data the run has come back from) -> (0, "")."""
+        start, end, level, first = self.burst_watch  # type: ignore[misc]
+        if ev.loss == ev.loss:
+            self.burst_losses = (self.burst_losses + [ev.loss])[-HEAL_MEAN:]
+        if t - end < BURST_HEAL_STEPS:
             return 0, ""
-        level = logs / n
-        fell = math.log(ev.grad_ratio * BURST_END_DROP)
-        if not (fell <= level and fell <= last):
+        self.burst_watch = None
+        now = sum(self.burst_losses) / len(self.burst_losses) if self.burst_losses else math.nan
+        # (a loss that is not positive has no ratio to its level: the detector's own, this step's)
+        ratio = now / level if level > 0.0 else ev.loss_ratio
+        lost = _progress_lost(now, level, first)
+        if not (ratio >= BURST_END_LOSS or lost >= BURST_END_LOST):
             return 0, ""
-        return t - start + 1, (f"a run of {t - start} steps of outlier gradients, trained on past the skip budget, "
-                               f"ended in one step (the gradient {math.exp(level) / ev.grad_ratio:.3g}x under its "
-                               f"level in the run) with the loss {ev.loss_ratio:.3g}x its level before it"
+        return t - start + 1, (f"a run of {end - start} steps of outlier gradients, trained on bounded, ended in one "
+                               f"step at step {end} with the loss damaged, and {t - end} steps later it is still "
+                               + f"{ratio:.3g}x its level before the run"
                                + (f", {lost:.0%} of the run's progress lost" if lost == lost else "")
-                               + ": a burst of bad batches that damaged the model")
+                               + ": a burst of bad batches that damaged the model (a phase of other data is "
+                               "recovered from by then)")
 
     def _divergence(self, a: Event, t: int, reasons: list[str]) -> tuple[Action, int, bool]:
         """A loss far above its level is rewound only when the run's own updates led into it: an
@@ -411,6 +448,7 @@ class Policy:
         ratio), or a learning rate creeps up with nothing held yet (:attr:`LrTrend.stalled`).
         Otherwise :meth:`calm` answers it."""
         return (self.probe is not None or self.nonfinite_streak != 0 or self.outliers != 0
+                or self.burst_watch is not None
                 or self.lr_trend.creeping and not self.lr_trend.held
                 or self.tail_taken is not None and self.tick - self.tail_taken < TAIL_WATCH and not self.tail_revoked)
 
@@ -430,13 +468,13 @@ class Policy:
         kinds = {a.kind for a in alerts}
         if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
             self._end_run()  # the gradient is back near its typical norm
-        elif self.outliers and 0.0 < ev.grad_ratio < math.inf:  # (an empty batch's 0 is no level)
+        elif self.outliers and 0.0 < _size(ev) < math.inf:  # (an empty batch's 0 is no level)
             logs, n, _ = self.run_level
-            log = math.log(ev.grad_ratio)
+            log = math.log(_size(ev))
             self.run_level = (logs + log, n + 1, log)
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
-                self.abnormal, self.probe, self.big_applied = None, None, None
+                self.abnormal, self.probe, self.big_applied, self.burst_watch = None, None, None, None
                 self._end_run()
                 self.lrs.clear()
             return
@@ -506,7 +544,8 @@ class Policy:
                 "rewinds": list(self.rewinds), "outliers": self.outliers,
                 "climb": None if self.climb != self.climb else self.climb,
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
-                "run_level": list(self.run_level), "burst_rewound": self.burst_rewound, "tail": [self.tail_seen, self.tail_max, self.tail_taken,
+                "run_level": list(self.run_level), "burst_rewound": self.burst_rewound,
+                "burst_watch": None if self.burst_watch is None else [*self.burst_watch, self.burst_losses], "tail": [self.tail_seen, self.tail_max, self.tail_taken,
                                                               self.tail_revoked, self.tail_loss],
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
                 "lrs": [list(x) for x in self.lrs], "lr_trend": self.lr_trend.state_dict(),
@@ -526,6 +565,9 @@ class Policy:
         self.run_start = None if d.get("run_start") is None else int(d["run_start"])
         self.trained_on = None if d.get("trained_on") is None else int(d["trained_on"])
         self.burst_rewound = None if d.get("burst_rewound") is None else int(d["burst_rewound"])
+        watch = d.get("burst_watch")
+        self.burst_watch = None if watch is None else (int(watch[0]), int(watch[1]), float(watch[2]), float(watch[3]))
+        self.burst_losses = [] if watch is None else [float(x) for x in watch[4]]
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
         seen, top, taken, revoked, tail_loss = d.get("tail", (0, 0.0, None, False, 0.0))

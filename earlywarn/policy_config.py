@@ -81,8 +81,9 @@ class PolicyConfig:
     untrained: a spike of the model's own heals as it does under clipping, a new regime or a loss
     weight raised on purpose trains at full rate, a bad batch takes one step of ordinary size. What
     tells a bad batch from the run's own outlier comes after it: a run of outliers that ends in one
-    step with the loss far above its level before it, or half the run's progress lost, was a burst
-    of bad batches and is rewound to before it (``BURST_END_LOSS``, ``BURST_END_LOST``), and
+    step with the loss far above its level before it, or half the run's progress lost, and is so
+    still 30 steps later (a phase of other data has recovered by then), was a burst of bad batches
+    and is rewound to before it (``BURST_END_LOSS``, ``BURST_HEAL_STEPS``), and
     outliers in the ``BURST_END_WITHIN`` steps after are more of it: skipped; the run's own kinds of
     outlier (a part unfrozen or idle trains again, a climb, a heavy tail) are taken with their own
     bounds. ``skip``: the first ``outlier_skips`` outliers of every run are skipped and quarantined,

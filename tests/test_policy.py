@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -473,49 +474,81 @@ def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bo
 
 
 def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model():
-    """A run of outliers trains on, bounded. If it then ends in one step (from >= BURST_END_DROP x
-    the clip ratio to under it) with the loss BURST_END_LOSS x its level before the run, it was a
-    burst of bad batches that damaged the model: rewound to before its first outlier. A run that
-    ends with the loss at its level (a loss weight raised for a phase), a regime learned down
-    gradually, or one that outlasts the detector's baselines is not."""
-    from earlywarn.policy import BURST_END_WITHIN, Evidence
+    """A run of outliers trains on, bounded. If it then ends in one step (its norm from >=
+    BURST_END_DROP x the clip ratio to under it) with the loss BURST_END_LOSS x its level before the
+    run, and the loss is so still BURST_HEAL_STEPS later, it was a burst of bad batches that damaged
+    the model: rewound to before its first outlier. A phase of other data that the run recovers from
+    by then, a run that ends with the loss at its level (a loss weight raised for a phase), a regime
+    learned down gradually, one whose ratio falls only because the detector's baseline moved to it,
+    or one that outlasts the detector's baselines is not."""
+    from earlywarn.policy import BURST_END_WITHIN, BURST_HEAL_STEPS, Evidence
+
+    def step(ratio, loss, norm=None):  # the loss's level is 1.0, the typical norm 1.0
+        return Evidence(ratio, loss, math.nan, loss, ratio if norm is None else norm)
 
     def run(p, length=10, ratio=40.0):
         for s in range(100, 100 + length):
-            d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], Evidence(ratio, 50.0))
+            d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=50.0, steps=1)], step(ratio, 50.0))
             assert d.actions == (Action.CLIP,)
         return 100 + length
 
-    p = Policy()
-    end = run(p)
-    d = p.decide(end, [], Evidence(0.8, 3.0))  # the next batch is clean again: the model is worse on it
-    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("burst_end",)
-    assert d.onset_back == end - 100 + 1  # back to before the run's first outlier
-    assert "ended in one step" in d.reasons[0] and not p.watching
+    def after(p, end, losses):
+        """The steps after the run's end, one per loss; -> the last decision."""
+        for k, loss in enumerate(losses, 1):
+            d = p.decide(end + k, [], step(1.0, loss))
+            if k < len(losses):
+                assert not d.actions and p.watching
+        return d
 
-    # the policy's state carries a run in progress across a resume
     p = Policy()
     end = run(p)
-    q = Policy()
-    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
-    assert q.decide(end, [], Evidence(0.8, 3.0)).actions == (Action.REWIND,)
+    d = p.decide(end, [], step(0.8, 3.0))  # the next batch is clean again: the model is worse on it
+    assert not d.actions and p.watching  # a phase of other data ends so too: watched
+    d = after(p, end, [2.5] * BURST_HEAL_STEPS)
+    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("burst_end",)
+    assert d.onset_back == end + BURST_HEAL_STEPS - 100 + 1  # back to before the run's first outlier
+    assert "still 2.5x its level" in d.reasons[0] and not p.watching
+
+    # recovered by then: a phase of other data the run came back from
+    p = Policy()
+    end = run(p)
+    p.decide(end, [], step(0.8, 3.0))
+    d = after(p, end, [3.0 - 1.7 * k / BURST_HEAL_STEPS for k in range(1, BURST_HEAL_STEPS + 1)])
+    assert not d.actions and not p.watching
+
+    # the policy's state carries a run in progress, and a run under watch, across a resume
+    for watched in (False, True):
+        p = Policy()
+        end = run(p)
+        if watched:
+            p.decide(end, [], step(0.8, 3.0))
+            after(p, end, [2.5] * 10)
+        q = Policy()
+        q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+        if watched:
+            d = after(q, end + 10, [2.5] * (BURST_HEAL_STEPS - 10))
+        else:
+            q.decide(end, [], step(0.8, 3.0))
+            d = after(q, end, [2.5] * BURST_HEAL_STEPS)
+        assert d.actions == (Action.REWIND,)
 
     # a dip inside a noisy run is not its end: the step before was low already, or the run's level is
     not_a_burst = [
-        dict(end=Evidence(0.8, 1.2)),  # the loss at its level: a phase the run trained through
-        dict(end=Evidence(0.8, 3.0), before=[Evidence(r, 3.0) for r in (25.0, 12.0, 6.0, 3.5)]),  # learned down
-        dict(end=Evidence(2.0, 3.0), before=[Evidence(r, 3.0) for r in (40.0, 9.0)]),  # over two steps
-        dict(end=Evidence(21.0, 1e5), outlier=True),  # memorized data met again, forgotten: still an outlier
-        dict(end=Evidence(0.8, 3.0), length=4),  # four steps trained on: the run's own first updates moved it
-        dict(end=Evidence(0.8, 3.0), length=10, skips=10),  # never trained on: all of it was skipped
-        dict(end=Evidence(0.8, 3.0), length=BURST_END_WITHIN + 1),  # the baselines moved meanwhile
+        dict(end=step(0.8, 1.2)),  # the loss at its level: a phase the run trained through
+        dict(end=step(0.8, 3.0), before=[step(r, 3.0) for r in (25.0, 12.0, 6.0, 3.5)]),  # learned down
+        dict(end=step(2.0, 3.0), before=[step(r, 3.0) for r in (40.0, 9.0)]),  # over two steps
+        dict(end=step(21.0, 1e5), outlier=True),  # memorized data met again, forgotten: still an outlier
+        dict(end=step(0.8, 3.0), length=4),  # four steps trained on: the run's own first updates moved it
+        dict(end=step(0.8, 3.0), length=10, skips=10),  # never trained on: all of it was skipped
+        dict(end=step(0.8, 3.0), length=BURST_END_WITHIN + 1),  # the baselines moved meanwhile
+        dict(end=step(0.8, 3.0, norm=40.0)),  # the baseline moved to the run's level: the norm holds
     ]
     for case in not_a_burst:
         skips = case.get("skips")
         p = Policy(PolicyConfig(on_grad_outlier="skip", outlier_skips=skips) if skips else None)
         length = case.get("length", 10)
         for s in range(100, 100 + length):
-            p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], Evidence(40.0, 50.0))
+            p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], step(40.0, 50.0))
         s = 100 + length
         for before in case.get("before", []):  # steps between 3x and the outlier ratio: the run goes on, lower
             assert not p.decide(s, [], before).actions
@@ -523,13 +556,13 @@ def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model(
         alerts = []
         if case.get("outlier"):  # the run at 1000x, then 21x: an outlier still, the run goes on
             for s in range(s, s + 3):
-                p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=1000.0, loss_ratio=1e7, steps=1)], Evidence(1000.0, 1e7))
+                p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=1000.0, loss_ratio=1e7, steps=1)], step(1000.0, 1e7))
             s += 1
             alerts = [ev(s, Kind.GRAD_OUTLIER, ratio=21.0, loss_ratio=1e5, steps=1)]
         assert Action.REWIND not in p.decide(s, alerts, case["end"]).actions, case
         if alerts:
             continue
-        assert not p.watching
+        assert not p.watching, case
 
 
 def test_a_learning_rate_the_run_took_calmly_for_steps_did_not_lead_into_a_loss_rise():

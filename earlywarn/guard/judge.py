@@ -121,8 +121,9 @@ class Judge:
         repairable = scan is not None and scan.state_poisoned and not scan.params_poisoned
         lr = obs.extras.get("lr", math.nan)
         loss = math.nan if obs.loss is None else obs.loss
+        norm = math.nan if obs.grad_norm is None else obs.grad_norm
         if alerts or overflow or scan is not None or self.policy.watching:
-            policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr, loss),
+            policy = self.policy.decide(obs.step, alerts, Evidence(*self.detector.ratios(), lr, loss, norm),
                                         state_finite=state_finite, skipped=overflow, repairable=repairable,
                                         unrepaired=_left(left))
         else:
