@@ -106,6 +106,9 @@ class PolicyDecision:
     """Scale this step's gradients by this before its update (a persistent outlier, clipped)."""
     clip_note: str = ""
     """Why an outlier's step is clipped (or skipped), when it is not one more of a run of them."""
+    clip_each: bool = False
+    """The clip bounds each element of the gradient, not the whole: a lone outlier's step is one of
+    ordinary size element by element (:mod:`earlywarn.guard.bound`)."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
     lr_hold: float | None = None
@@ -196,7 +199,7 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy, hold_target, clip, clip_note = 0, None, False, False, None, ""
+        back, ceiling, lr_copy, hold_target, clip, clip_note, each = 0, None, False, False, None, "", False
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
             self.lr_trend.push(evidence.lr, evidence.loss)
@@ -209,7 +212,7 @@ class Policy:
             warned_now |= a.kind is Kind.COLLAPSE_RISK
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
             if a.kind is Kind.GRAD_OUTLIER:
-                action, clip, clip_note = self._outlier(a, action, t)
+                action, clip, clip_note, each = self._outlier(a, action, t)
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and "lr_ref" in a.values and cfg.lr_probe_steps:
@@ -301,28 +304,30 @@ class Policy:
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
             lr_hold=hold, lr_hold_why=hold_why if hold is not None else "",
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
+            clip_each=each and Action.CLIP in wanted and not restores,
             clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores
             else "")
 
     # -- the rules that read more than one alert -----------------------------------------------
-    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str]:
+    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str, bool]:
         """An outlier is taken, bounded (``on_grad_outlier="clip"``), or skipped first
         (``"skip"``); the run's own kinds of outlier have rules of their own (-> the action, the
-        factor the gradients are scaled by, and why)."""
+        factor the gradients are scaled by, why, and whether it bounds each element: a lone
+        outlier, the first of a run, is one step of ordinary size element by element)."""
         self.outliers += 1
         if self.outliers == 1:
             self.run_start = t
         ratio = a.values.get("ratio", math.nan)
         if action not in (Action.CLIP, Action.SKIP):  # a configured response of another kind: as configured
-            return action, None, ""
+            return action, None, "", False
         if a.values.get("joined", 0.0):
             # a part of the model starts or resumes training: the run's own step; one that resumes
             # (idle experts may come back at any step) is bounded
             if a.values.get("idle", 0.0) and ratio > IDLE_STEP_CAP:
-                return Action.CLIP, IDLE_STEP_CAP / ratio, IDLE_NOTE
-            return Action.NONE, None, ""
+                return Action.CLIP, IDLE_STEP_CAP / ratio, IDLE_NOTE, False
+            return Action.NONE, None, "", False
         if self.big_applied is not None and t - self.big_applied <= 3:
-            return Action.NONE, None, ""  # the run recovering from its own large update: let it
+            return Action.NONE, None, "", False  # the run recovering from its own large update: let it
         loss = a.values.get("loss_ratio", math.nan)
         known = self.tail_seen >= TAIL_SEEN
         # the loss at its level, or (a tail known) within twice the loss its outliers had (False on NaN)
@@ -333,7 +338,7 @@ class Policy:
             if known:
                 cap = TAIL_BOUND * self.tail_max
                 self.tail_taken, self.tail_max = t, max(self.tail_max, min(ratio, cap))
-                return (Action.NONE, None, TAIL_NOTE) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE)
+                return (Action.NONE, None, TAIL_NOTE, False) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE, False)
             self.tail_seen += 1
             self.tail_max = max(self.tail_max, ratio)
         prev = a.values.get("prev_ratio", 1.0)
@@ -343,11 +348,11 @@ class Policy:
         if self.climb == self.climb:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
-            return (Action.NONE, None, "") if ratio <= allowed else (Action.CLIP, allowed / ratio, CLIMB_NOTE)
+            return (Action.NONE, None, "", False) if ratio <= allowed else (Action.CLIP, allowed / ratio, CLIMB_NOTE, False)
         if self.burst_rewound is not None and t - self.burst_rewound <= BURST_END_WITHIN:
             action = Action.SKIP  # a burst was rewound just now: more of it is the same bad data, not the run's
         if action is Action.SKIP and self.outliers <= self.cfg.outlier_skips:
-            return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else ""
+            return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else "", False
         if self.trained_on is None:
             self.trained_on = t
         # its typical norm for the first; then a steady bound costs a scale-free optimizer nothing and
@@ -355,8 +360,8 @@ class Policy:
         k = self.outliers - 1
         bound = 1.0 if k == 0 else self.cfg.outlier_clip_ratio if self.scale_free else OUTLIER_GROWTH ** k
         if not (ratio == ratio and ratio > bound):
-            return Action.NONE, None, ""
-        return Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free)
+            return Action.NONE, None, "", False
+        return Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free), k == 0
 
     def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> None:
         """A run trained on past the skip budget that ends in one step -- its gradient

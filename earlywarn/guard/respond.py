@@ -16,6 +16,7 @@ from typing import Any, Callable, NoReturn
 import numpy as np
 
 from earlywarn.events import DRY_RUN, Event, Kind, Level
+from earlywarn.guard.bound import bound_gradients
 from earlywarn.guard.episode import Episode, onset
 from earlywarn.guard.judge import Decision
 from earlywarn.guard.statistics import SQ_OVERFLOW, StepStatistics, StepTag
@@ -107,19 +108,27 @@ class Responses:
 
     # -- a clipped step -------------------------------------------------------------------------------
     def clip(self, decision: Decision, tag: StepTag) -> None:
-        """An outlier gradient taken bounded: scaled down before the update."""
+        """An outlier gradient taken bounded: scaled down before the update (a lone one element by
+        element, :mod:`earlywarn.guard.bound`)."""
         factor = decision.policy.clip_factor
-        if not self._dry:
-            self.statistics.scale_gradients(factor)
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
+        each = decision.policy.clip_each
+        if not self._dry:
+            if each:
+                bound_gradients(self.statistics.layer_map.params, self.recovery.optimizer, factor, factor * ratio,
+                                tag.inv_scale)
+            else:
+                self.statistics.scale_gradients(factor)
         why = decision.policy.clip_note or "bounded"
+        how = (f"each element held to {factor * ratio:.3g}x its running RMS where the optimizer keeps one, the whole "
+               f"scaled by {factor:.3g} at least" if each else
+               f"scaled by {factor:.3g} to {ratio * factor:.3g}x its typical norm")
         self._emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
-            message=(f"outlier gradient ({ratio:.3g}x its typical norm), {why}: scaled by {factor:.3g} "
-                     f"to {ratio * factor:.3g}x its typical norm before the update"),
-            values={"clip_factor": factor, "ratio": ratio}, batch=_batch_index(tag)))
+            message=f"outlier gradient ({ratio:.3g}x its typical norm), {why}: {how} before the update",
+            values={"clip_factor": factor, "ratio": ratio, "each": float(each)}, batch=_batch_index(tag)))
 
     # -- a skipped step -------------------------------------------------------------------------------
     def skipped(self, decision: Decision, tag: StepTag) -> None:

@@ -1,0 +1,71 @@
+"""Bounding a lone outlier gradient element by element, against the optimizer's own second moment.
+
+A lone outlier (the first of a run) is taken at its typical norm: a bad batch then does one step
+of ordinary size. One factor for the whole does that for the whole's norm; under Adam it does
+much less: the factor (1/3000 for a policy gradient's first rare reward) shrinks every element,
+and each element's update is divided by its own running RMS, so all but the largest elements
+hardly move -- the rare reward is as good as lost. Held to its own running RMS instead, each
+element moves as far as an ordinary step moves it, and the second moment grows no more than an
+ordinary step grows it. So where the optimizer keeps a running second moment of the gradient
+(Adam and its kin: ``exp_avg_sq``; RMSprop: ``square_avg``), a lone outlier's elements are held
+to ``bound`` times their running RMS, never under the whole's factor; other optimizers (plain SGD,
+Lion, a quantized or nested state) take the whole's factor. The rest of a run keeps one factor for
+the whole (:mod:`earlywarn.outlier_rules`): element by element, a burst of corrupt batches trains
+the model on them at full rate (measured: a 70-step burst of 100x targets ended 19x its twin's
+loss, against 1.8x with one factor).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def bound_gradients(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer, factor: float,
+                    bound: float, inv_scale: torch.Tensor | None = None) -> None:
+    """Scale the gradients about to be applied: each element to at most ``bound`` times its running
+    RMS in ``optimizer``'s state, and at least by ``factor`` (the whole's: ``bound`` typical norms
+    over the whole's norm); where no such moment is kept, by ``factor``. ``inv_scale``: the
+    gradients still carry a loss scale (a fused optimizer unscales them itself), the limits too.
+    On the device, no host read."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # a wrapper (accelerate's, Lightning's) holds the real one
+    beta2 = {id(p): group.get("betas", (0.9, 0.999))[1] for group in opt.param_groups for p in group["params"]}
+    whole = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        rms = _running_rms(opt.state.get(p), g, beta2.get(id(p)))
+        if rms is None or not bound == bound:
+            whole.append(g)
+            continue
+        rms.mul_(bound)
+        if inv_scale is not None:
+            rms.div_(inv_scale.to(rms.device))
+        limit = torch.maximum(rms.to(g.dtype), g.abs().mul_(factor))
+        torch.clamp(g, min=-limit, max=limit, out=g)
+    if whole:
+        torch._foreach_mul_(whole, factor)
+
+
+def _running_rms(state: dict | None, grad: torch.Tensor, beta2: float | None) -> torch.Tensor | None:
+    """The element-wise running RMS of ``grad`` the optimizer keeps (bias-corrected where it is), a
+    new tensor; None where it keeps none of ``grad``'s shape."""
+    if not state:
+        return None
+    v = state.get("exp_avg_sq")
+    if _like(v, grad) and beta2 is not None and "step" in state:
+        step = state["step"]
+        # 1 - beta2**step, on the step's own device when it is a tensor (capturable Adam): no host read
+        correction = 1.0 - (torch.pow(torch.as_tensor(beta2, dtype=torch.float32, device=step.device), step)
+                            if isinstance(step, torch.Tensor) else beta2 ** float(step))
+        return v.float().div(correction).sqrt_()
+    v = state.get("square_avg")  # RMSprop (no bias correction of its own)
+    if _like(v, grad):
+        return v.float().sqrt()
+    return None
+
+
+def _like(v: object, grad: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.shape == grad.shape and v.is_floating_point()

@@ -1,0 +1,136 @@
+"""A lone outlier bounded element by element against the optimizer's own second moment
+(earlywarn.guard.bound): the limits, the fallback, which outliers, and a rare large gradient whose
+elements still move."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from earlywarn.guard.bound import bound_gradients
+
+
+def _stepped(opt_cls, **kw):
+    """A parameter whose optimizer has taken 3 steps on unit-scale gradients (its state exists)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(1000))
+    opt = opt_cls([p], **kw)
+    for _ in range(3):
+        p.grad = torch.randn(1000)
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.Adam, {}), (torch.optim.AdamW, {"foreach": False}),
+                                        (torch.optim.Adam, {"fused": True}), (torch.optim.RMSprop, {})])
+def test_each_element_is_held_to_its_running_rms_and_never_under_the_whole_factor(opt_cls, kw):
+    p, opt = _stepped(opt_cls, lr=1e-3, **kw)
+    st = opt.state[p]
+    if "exp_avg_sq" in st:
+        beta2 = opt.param_groups[0]["betas"][1]
+        rms = (st["exp_avg_sq"] / (1 - beta2 ** float(st["step"]))).sqrt()
+    else:
+        rms = st["square_avg"].sqrt()
+    g = torch.randn(1000)
+    g[:10] *= 1e4  # ten elements far beyond their running RMS
+    p.grad = g.clone()
+    bound, factor = 3.0, 1e-6
+    bound_gradients([p], opt, factor, bound)
+    out = p.grad
+    limit = torch.maximum(bound * rms, factor * g.abs())
+    assert torch.allclose(out.abs(), torch.minimum(g.abs(), limit), rtol=1e-5)
+    assert torch.equal(out.sign(), g.sign())
+    assert (out[:10].abs() <= bound * rms[:10] * (1 + 1e-5)).all()  # the outliers held
+    within = g.abs() <= bound * rms
+    assert torch.equal(out[within], g[within])  # the rest as they were
+    # never under the whole's factor: a bound of 0 leaves factor x the gradient
+    p.grad = g.clone()
+    bound_gradients([p], opt, 0.5, 0.0)
+    assert torch.allclose(p.grad, 0.5 * g)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # no second moment
+    lambda ps: torch.optim.Adam(ps, lr=1e-3),  # no state yet: its first step
+])
+def test_without_a_running_second_moment_the_whole_is_scaled_by_its_factor(make):
+    p = torch.nn.Parameter(torch.zeros(100))
+    opt = make([p])
+    if isinstance(opt, torch.optim.SGD):
+        p.grad = torch.randn(100)
+        opt.step()
+    g = torch.randn(100) * 1e3
+    p.grad = g.clone()
+    bound_gradients([p], opt, 0.01, 3.0)
+    assert torch.allclose(p.grad, 0.01 * g)
+
+
+def test_gradients_that_still_carry_a_loss_scale_are_limited_at_that_scale():
+    p, opt = _stepped(torch.optim.Adam, lr=1e-3)
+    g = torch.randn(1000)
+    g[:10] *= 1e4
+    p.grad = g.clone()
+    bound_gradients([p], opt, 1e-6, 3.0)
+    unscaled = p.grad.clone()
+    p.grad = 1024.0 * g  # a fused optimizer's: unscaled inside its step
+    bound_gradients([p], opt, 1e-6, 3.0, inv_scale=torch.tensor(1 / 1024.0))
+    assert torch.allclose(p.grad / 1024.0, unscaled, rtol=1e-5)
+
+
+def test_a_nan_bound_takes_the_whole_factor():
+    p, opt = _stepped(torch.optim.Adam, lr=1e-3)
+    g = torch.randn(1000)
+    p.grad = g.clone()
+    bound_gradients([p], opt, 0.25, math.nan)
+    assert torch.allclose(p.grad, 0.25 * g)
+
+
+def test_the_first_outlier_of_a_run_is_bounded_element_by_element_the_rest_as_a_whole():
+    from earlywarn.events import Event, Kind, Level
+    from earlywarn.policy import Evidence, Policy
+
+    def out(s, ratio):
+        return Event(step=s, kind=Kind.GRAD_OUTLIER, level=Level.WARNING, signal="grad_norm", message="",
+                     values={"ratio": ratio, "loss_ratio": 50.0, "steps": 1.0})
+
+    p = Policy()
+    d = [p.decide(s, [out(s, 40.0)], Evidence(40.0, 50.0)) for s in range(100, 104)]
+    assert [x.clip_each for x in d] == [True, False, False, False]
+    assert [round(x.clip_factor * 40.0, 6) for x in d] == [1.0, 3.0, 3.0, 3.0]
+
+
+def test_a_rare_large_gradient_moves_the_elements_it_carries_under_adam():
+    """A rare batch whose gradient is ~700x the typical norm: five elements at 1e4x their running
+    RMS (whatever dominates the norm) and the rest at 30x (the signal, spread). One factor for the
+    whole shrinks the spread elements to a twentieth of their RMS, and Adam, dividing by that RMS,
+    hardly moves them; held to their running RMS, each moves as far as an ordinary step moves it."""
+    lr = 1e-2
+
+    def moved(element_wise: bool, ordinary: bool = False) -> float:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.zeros(1000))
+        opt = torch.optim.Adam([p], lr=lr)
+        for _ in range(50):
+            p.grad = 1e-3 * torch.randn(1000).sign()
+            opt.step()
+        before = p.detach().clone()
+        g = torch.full((1000,), 1e-3 if ordinary else 30e-3)
+        if not ordinary:
+            g[:5] = 10.0
+        typical = 1e-3 * math.sqrt(1000)
+        factor = typical / float(g.norm())
+        p.grad = g
+        if ordinary:
+            pass
+        elif element_wise:
+            bound_gradients([p], opt, factor, 1.0)
+        else:
+            p.grad.mul_(factor)
+        opt.step()
+        return -float((p.detach() - before)[5:].mean())  # along the gradient (the history's momentum averages out)
+
+    ordinary = moved(False, ordinary=True)  # an ordinary gradient of the same direction
+    assert moved(True) == pytest.approx(ordinary, rel=1e-3)
+    assert moved(False) < 0.2 * ordinary
