@@ -261,6 +261,30 @@ def test_experts_idle_in_turn_stay_on_the_calm_path_with_the_same_bits(cuts):
     assert calls.count(id(rows.detector)) < 700, calls.count(id(rows.detector))
 
 
+def test_another_set_of_idle_experts_moves_only_the_layers_slice_of_what_refresh_derives(monkeypatch):
+    # (Work.refresh_layers relies on it: the pattern and every count are the last full refresh's)
+    from earlywarn.detect.work import Work
+
+    checked = []
+    layers_only = Work.refresh_layers
+
+    def both(w, t):
+        layers_only(w, t)
+        got = [a.copy() for a in (w.rates, w.keep, w.logv)] + [w.h_alone, w.h_together, w.consts]
+        w.refresh(t)
+        for a, b in zip(got[:3], (w.rates, w.keep, w.logv)):
+            assert a.tobytes() == b.tobytes()
+        assert got[3:5] == [w.h_alone, w.h_together] and got[5] is w.consts
+        checked.append(1)
+
+    monkeypatch.setattr(Work, "refresh_layers", both)
+    cols = _experts_run()
+    sd = StreamingDetector(layer_names=LAYERS)
+    for i in range(len(cols)):
+        sd.observe(cols.observation(i))
+    assert len(checked) > 1000, len(checked)
+
+
 def test_state_from_dict_rejects_a_mismatched_layout_or_an_older_version():
     sd = StreamingDetector(layer_names=LAYERS).state_dict()
     with pytest.raises(ValueError, match="version 1"):

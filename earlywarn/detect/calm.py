@@ -64,7 +64,7 @@ def calm_frozen_layers(t: Thresholds, w: Work, ln: np.ndarray, nz: int, step: in
         if cnz(young):
             return False  # a layer still warming up: the general path admits its values
         w.set_presence(lm, step)
-        w.refresh(t)
+        w.refresh_layers(t)
     _np_log(ln, out=w.logv_layers, where=w.layer_present, dtype=_F64)
     return True
 

@@ -186,6 +186,20 @@ class Work:
         self.h_together = (together_threshold(t, bool(pattern & LR_BIT), False), together_threshold(t, True, True))
         np.copyto(self.logv, self.baseline, where=~expected)
 
+    def refresh_layers(self, t: Thresholds) -> None:
+        """:meth:`refresh` after the calm path took another set of absent layers
+        (:meth:`set_presence`): the layers' slice is all that moves. The pattern, and with it the
+        thresholds and the other channels' rates, is the last refresh's, no count has moved since
+        (counts move on the general path only, whose commit refreshes), and a channel not given
+        keeps its baseline on the calm path (rate 0): its parked value stands."""
+        cfg, layers, present = t.cfg, slice(N_FIXED, self.layers_end), self.layer_present
+        steady = present & (self.count[layers] >= t.mature_n)
+        b = np.where(steady, cfg.scale_alpha, 0.0)
+        self.rates[0, layers] = np.where(steady, cfg.alpha, 0.0)
+        np.multiply(b, t.admit_z, out=self.rates[1, layers])
+        np.subtract(1.0, b, out=self.keep[1, layers])
+        np.copyto(self.logv_layers, self.baseline[layers], where=~present)
+
     def largest_z(self, admit_z: float, *, layers: bool) -> float:
         """The largest robust z of the latest step above its baseline (``StreamingDetector.score``;
         without the layers: ``run_score``)."""
