@@ -78,7 +78,8 @@ what went bad, and a skip leaves the model where the rewind put it."""
 CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
 OUTLIER_GROWTH = 1.25
-"""An outlier is taken scaled to its typical norm, and those after it in the same run to
+"""An outlier is taken at its typical size (element by element against the optimizer's second
+moment where it keeps one: ``earlywarn.guard.bound``), and those after it in the same run scaled to
 ``outlier_clip_ratio`` typical norms -- or, under plain SGD, to this many times the bound before
 (x9 after 10 steps, x87 after 20). A bad batch does one step of ordinary size; a spike of the
 model's own heals as it does under clipping (skipped, it left the model where the spike put it and
@@ -124,7 +125,7 @@ OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient 
 def outlier_note(nth: int, bound: float, scale_free: bool) -> str:
     """Why an outlier was taken at ``bound`` typical norms, the ``nth`` of its run (a clip's message)."""
     if nth <= 1:
-        return "taken at its typical norm: a bad batch does one ordinary step, a spike of the run's own heals"
+        return "taken at its typical size: a bad batch does one ordinary step, a spike of the run's own heals"
     how = (f"held at {bound:.3g}x its typical norm while the run lasts (the optimizer's step hardly depends on "
            "the gradient's scale: a new regime trains at full rate)" if scale_free else
            "its bound growing while the run lasts (plain SGD: a new regime trains at full size within a few steps)")

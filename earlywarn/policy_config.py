@@ -75,7 +75,8 @@ class PolicyConfig:
     on_grad_outlier: Action | str = Action.CLIP
     """GRAD_OUTLIER (warning): a finite gradient far above its typical norm, read before its update
     (sync mode). ``clip`` (the default): the update is taken, bounded -- the first outlier of a run
-    scaled to its typical norm, the rest to ``outlier_clip_ratio`` typical norms (plain SGD:
+    at its typical size (each element held to its running RMS where the optimizer keeps one:
+    ``earlywarn.guard.bound``), the rest scaled to ``outlier_clip_ratio`` typical norms (plain SGD:
     growing, ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never
     inflated by a 1e4x gradient (which would stall the run for thousands of steps) and no batch goes
     untrained: a spike of the model's own heals as it does under clipping, a new regime or a loss
