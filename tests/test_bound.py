@@ -79,6 +79,21 @@ def test_gradients_that_still_carry_a_loss_scale_are_limited_at_that_scale():
     assert torch.allclose(p.grad / 1024.0, unscaled, rtol=1e-5)
 
 
+def test_a_sparse_gradient_takes_the_whole_factor():
+    emb = torch.nn.Embedding(100, 8, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()
+    opt.zero_grad()
+    (1e4 * emb(torch.tensor([1, 5])).sum()).backward()
+    g = emb.weight.grad.clone()
+    bound_gradients([emb.weight], opt, 0.01, 3.0)
+    assert emb.weight.grad.is_sparse
+    assert torch.allclose(emb.weight.grad.to_dense(), 0.01 * g.to_dense())
+
+
 def test_a_nan_bound_takes_the_whole_factor():
     p, opt = _stepped(torch.optim.Adam, lr=1e-3)
     g = torch.randn(1000)
