@@ -9,7 +9,7 @@ element moves as far as an ordinary step moves it, and the second moment grows n
 ordinary step grows it. So where the optimizer keeps a running second moment of the gradient
 (Adam and its kin: ``exp_avg_sq``; RMSprop: ``square_avg``), a lone outlier's elements are held
 to ``bound`` times their running RMS, never under the whole's factor; other optimizers (plain SGD,
-Lion, a quantized or nested state) and sparse gradients take the whole's factor. The rest of a run keeps one factor for
+Lion, a quantized, nested or sharded state) and sparse gradients take the whole's factor. The rest of a run keeps one factor for
 the whole (:mod:`earlywarn.outlier_rules`): element by element, a burst of corrupt batches trains
 the model on them at full rate (measured: a 70-step burst of 100x targets ended 19x its twin's
 loss, against 1.8x with one factor).
@@ -68,7 +68,8 @@ def _running_rms(state: dict | None, grad: torch.Tensor, beta2: float | None) ->
 
 
 def _like(v: object, grad: torch.Tensor) -> bool:
-    """``v`` holds one dense float per element of a dense ``grad`` (a sparse gradient, SparseAdam's,
-    has no element-wise bound here: the whole's factor)."""
-    return (isinstance(v, torch.Tensor) and v.shape == grad.shape and v.is_floating_point()
-            and v.layout is torch.strided and grad.layout is torch.strided)
+    """``v`` is a plain dense tensor of one float per element of a dense ``grad``. Not a sparse
+    gradient (SparseAdam's), nor a tensor subclass (torchao's quantized moments, a DTensor's
+    shards): those take the whole's factor."""
+    return (type(v) is torch.Tensor and type(grad) is torch.Tensor and v.shape == grad.shape
+            and v.is_floating_point() and v.layout is torch.strided and grad.layout is torch.strided)
