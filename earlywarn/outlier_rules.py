@@ -56,7 +56,8 @@ its end, on the mean loss of the last ``HEAL_MEAN`` steps. Measured on the rescu
 bases 0, 23, 61), with no rewind: a 32-step phase of another data pool ended at 3.2x its level and
 was at 1.7x 20 steps later, 1.3x 30 later; a burst of shuffled labels that bare dies of ended at
 2.4x and stayed there (2.4x, 2.4x). Four bursts that ended damaged healed so by themselves and
-kept 0.97-0.99 of their twin's progress unrewound."""
+kept 0.97-0.99 of their twin's progress unrewound. The cost: a burst whose damage the loss hides
+by then is not rewound (seed base 89: one of seven, 0.84 kept where the rewind at its end kept 0.98)."""
 
 HEAL_MEAN = 5
 """See ``BURST_HEAL_STEPS``."""

@@ -403,7 +403,7 @@ class Policy:
             return 0, ""
         return t - start + 1, (f"a run of {end - start} steps of outlier gradients, trained on bounded, ended in one "
                                f"step at step {end} with the loss damaged, and {t - end} steps later it is still "
-                               + f"{ratio:.3g}x its level before the run"
+                               f"{ratio:.3g}x its level before the run"
                                + (f", {lost:.0%} of the run's progress lost" if lost == lost else "")
                                + ": a burst of bad batches that damaged the model (a phase of other data is "
                                "recovered from by then)")

@@ -79,6 +79,17 @@ def test_gradients_that_still_carry_a_loss_scale_are_limited_at_that_scale():
     assert torch.allclose(p.grad / 1024.0, unscaled, rtol=1e-5)
 
 
+def test_a_second_moment_without_adams_betas_is_not_read():
+    """An ``exp_avg_sq`` in a group with no ``betas`` (another library's form: its bias correction
+    unknown) is not guessed at: the whole's factor."""
+    p, opt = _stepped(torch.optim.Adam, lr=1e-3)
+    del opt.param_groups[0]["betas"]
+    g = torch.randn(1000) * 1e3
+    p.grad = g.clone()
+    bound_gradients([p], opt, 0.01, 3.0)
+    assert torch.allclose(p.grad, 0.01 * g)
+
+
 def test_a_sparse_gradient_takes_the_whole_factor():
     emb = torch.nn.Embedding(100, 8, sparse=True)
     opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)

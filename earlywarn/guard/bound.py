@@ -30,7 +30,8 @@ def bound_gradients(params: Iterable[torch.nn.Parameter], optimizer: torch.optim
     gradients still carry a loss scale (a fused optimizer unscales them itself), the limits too.
     On the device, no host read."""
     opt = getattr(optimizer, "optimizer", optimizer)  # a wrapper (accelerate's, Lightning's) holds the real one
-    beta2 = {id(p): group.get("betas", (0.9, 0.999))[1] for group in opt.param_groups for p in group["params"]}
+    # the decay its bias correction needs (a group without ``betas``: not Adam's form, not read)
+    beta2 = {id(p): group["betas"][1] for group in opt.param_groups if "betas" in group for p in group["params"]}
     whole = []
     for p in params:
         g = p.grad
