@@ -175,3 +175,32 @@ def test_memory_sizes_parse_and_bad_ones_name_the_field():
                         ("checkpoint_dir", ""), ("quarantine_path", 3)):
         with pytest.raises(ValueError, match=rf"RecoveryConfig.{name}="):
             RecoveryConfig(**{name: value})
+
+
+def test_quiet_steps_agree_with_the_rule_step_by_step(tmp_path):
+    # quiet_steps answers the usual case (clean, nothing building) from the first step due; the
+    # rule it stands for, step by step: the first step recorded anew, clean and due ends them
+    import random
+
+    from earlywarn.guard.episode import Episode
+
+    model, opt = _model_opt()
+    rng = random.Random(5)
+    for ckpt in (None, 7):
+        cfg = RecoveryConfig(quarantine_path=str(tmp_path / "q.jsonl"), snapshot_every=6, snapshot_keep=2,
+                             clean_window=4, checkpoint_dir=None if ckpt is None else str(tmp_path / "c"),
+                             checkpoint_every=ckpt or 1000)
+        rec = Recovery(model, opt, cfg)
+        for _ in range(400):
+            step = rng.randrange(0, 60)
+            snaps = rec.snapshots
+            snaps.last_snapshot = rng.choice([None, *range(max(0, step - 10), step + 3)])
+            snaps.last_checkpoint = rng.randrange(max(0, step - 10), step + 3)
+            rec.history.last_step = rng.choice([None, step - 1, step, step + 2])
+            rec.window.since = rng.choice([None, step - 6, step - 2, step + 1])
+            pick = rng.choice([None, step - 6, step - 2, step + 1])
+            ep = Episode(4, alert=pick, unclean=rng.choice([None, step - 6, step - 1]))
+            seen, k = rec.history.last_step, rng.randrange(1, 20)
+            want = next((j for j in range(k) if (seen is None or step + j > seen) and ep.clean(step + j)
+                         and rec.window.clean(step + j) and snaps.due(step + j, ep.building(step + j))), k)
+            assert rec.quiet_steps(step, k, clean=ep.clean, building=ep.building) == want

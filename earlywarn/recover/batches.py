@@ -135,6 +135,9 @@ class BatchFingerprints:
         self.explicit = False
         """``report_batch`` was called: the automatic hook on the model's inputs stands down."""
         self._pending: list[tuple[torch.Tensor, int, _HashPlan]] = []  # this step's tensors, as observed
+        # ... their data_ptr -> version and storage bytes, for the held ones' (taken as observed, once)
+        self._pending_ptrs: dict[int, int] = {}
+        self._pending_bytes = 0
         self._meta = 0
         # step -> (the hash, or the held tensors not hashed yet, and the shape-and-dtype tag)
         self._steps: OrderedDict[int, tuple[Any, int]] = OrderedDict()
@@ -205,11 +208,14 @@ class BatchFingerprints:
                 t = t.detach()  # held without its graph (the version counter is shared)
             version = t._version
             if self.hold_steps:
-                ptr = local(t).data_ptr()
+                lt = local(t)  # a DTensor: this rank's shard is what is held
+                ptr = lt.data_ptr()
                 if self._held_ptrs.get(ptr, version) != version:
                     # a held batch was overwritten in place: hash as batches come from now on
                     self.hold_steps = 0
                     self._hash_held()
+                self._pending_ptrs[ptr] = version
+                self._pending_bytes += lt.untyped_storage().nbytes()
             self._meta = zlib.crc32(plan.meta, self._meta)
             self._pending.append((t, version, plan))
 
@@ -218,6 +224,7 @@ class BatchFingerprints:
         what the automatic hook folded in for the step in progress is dropped."""
         self.explicit = True
         self._pending, self._meta = [], 0
+        self._pending_ptrs, self._pending_bytes = {}, 0
 
     def bind(self, step: int) -> None:
         """What was observed since the last bind is the batch of ``step``."""
@@ -228,11 +235,10 @@ class BatchFingerprints:
             self._forget(step)
         self._steps[step] = (self._pending, self._meta)
         self._held.append(step)
-        for t, version, _ in self._pending:
-            lt = local(t)  # a DTensor: this rank's shard is what is held
-            self._held_ptrs[lt.data_ptr()] = version
-            self._held_bytes += lt.untyped_storage().nbytes()
+        self._held_ptrs.update(self._pending_ptrs)
+        self._held_bytes += self._pending_bytes
         self._pending, self._meta = [], 0
+        self._pending_ptrs, self._pending_bytes = {}, 0
         if len(self._held) >= self.hold_steps or self._held_bytes > self.hold_bytes:
             self._hash_held()
         while len(self._steps) > self.history:
@@ -288,3 +294,4 @@ class BatchFingerprints:
         self._held_ptrs.clear()
         self._held_bytes = 0
         self._pending, self._meta = [], 0
+        self._pending_ptrs, self._pending_bytes = {}, 0

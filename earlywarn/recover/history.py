@@ -22,17 +22,25 @@ class BatchHistory:
         self.last_step: int | None = None
         """The last step recorded: the step the live state is at (``None`` right after a rewind)."""
         self._drawn_mark = data.drawn()  # batches drawn as of last_step (None: unknown)
+        # a loader that names no batch (none given, or one that cannot be restored): its
+        # observe / last_batch / drawn do nothing, so a step's record makes none of those calls
+        self._blind = all(getattr(type(data), m) is getattr(DataPositionAdapter, m)
+                          for m in ("observe", "last_batch", "drawn"))
 
     # -- recording ---------------------------------------------------------------------------------
     def record(self, step: int) -> None:
         """The update of ``step`` was applied (or skipped): remember the batch it drew."""
-        self.data.observe()
-        self._refs[step] = self.data.last_batch()
-        self._refs.move_to_end(step)
+        refs = self._refs
+        if self._blind:
+            refs[step] = None
+        else:
+            self.data.observe()
+            refs[step] = self.data.last_batch()
+            self._drawn_mark = self.data.drawn()
+        refs.move_to_end(step)
         self.last_step = step
-        self._drawn_mark = self.data.drawn()
-        while len(self._refs) > self.size:
-            self._refs.popitem(last=False)
+        while len(refs) > self.size:
+            refs.popitem(last=False)
 
     def pending(self) -> int:
         """Batches drawn since the last recorded step: their update is not in the live state."""
@@ -90,6 +98,8 @@ class BatchHistory:
 
     def last_batch(self) -> BatchRef | None:
         """The batch most recently drawn from the loader (``None`` when unknown)."""
+        if self._blind:
+            return None
         self.data.observe()
         return self.data.last_batch()
 

@@ -221,12 +221,19 @@ class Recovery:
         but record the step (the guard's calm steps): no snapshot or checkpoint due or in flight,
         no learning-rate ceiling or lowered learning rate in force, no episode open, no repair
         left unfinished (:attr:`unrepaired`). ``clean`` /
-        ``building``: what :meth:`after_step` would be told of each step."""
+        ``building``: what :meth:`after_step` would be told of each step, windows after a step
+        (:func:`~earlywarn.recover.window.within`): clean and not building at a step, so at every
+        later one."""
         if self.lr_ceiling.ceiling is not None or not self.recurrence.quiet or self.copying \
                 or self.unrepaired is not None:  # (a repair left state non-finite: the next update is the judge's)
             return 0
         seen = self.history.last_step
         due, window = self.snapshots.due, self.window
+        if (seen is None or step > seen) and clean(step) and window.clean(step) and not building(step):
+            # the usual case: so for every step after it too, and the first one due decides
+            # (the loop below, without its ~10 calls a step)
+            first = self.snapshots.next_due(step)
+            return k if first is None else min(k, first - step)
         for j in range(k):
             s = step + j
             # (a step recorded already, when its update was queued in async mode, starts nothing)
@@ -423,6 +430,8 @@ class Recovery:
         """The learning rate the optimizer really steps with when the loop's is ``lr``."""
         if lr is None:
             return None
+        if self.lr_ceiling.ceiling is None:  # (most steps: the factor would be 1.0, and lr * 1.0 is lr)
+            return lr * self.recurrence.lr_factor
         return lr * self.lr_ceiling.factor(lr) * self.recurrence.lr_factor
 
     # -- state -----------------------------------------------------------------------------

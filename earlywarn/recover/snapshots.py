@@ -209,6 +209,19 @@ class SnapshotKeeper:
         """A snapshot or checkpoint is due at ``step``: :meth:`start_due` starts one there if clean."""
         return any(self._due(step, building))
 
+    def next_due(self, step: int) -> int | None:
+        """The first step from ``step`` on at which :meth:`due` is true while nothing builds
+        (``None``: none), as long as nothing is started before it."""
+        cfg = self.config
+        first = None
+        if self.ring is not None:
+            last = self.last_snapshot
+            first = step if last is None or step < last else max(step, last + cfg.every)
+        if self.checkpoints is not None:
+            c = max(step, self.last_checkpoint + cfg.checkpoint_every)
+            first = c if first is None else min(first, c)
+        return first
+
     @property
     def copying(self) -> bool:
         """A copy is in flight (started, not yet confirmed and kept)."""
