@@ -120,7 +120,10 @@ def _acc_dtype(device: torch.device, dtype: torch.dtype, exact: bool) -> torch.d
 def _host_values(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's values as a numpy array whose values widen to float64 exactly (a view when
     they are float32 or float64 already, else a float64 copy)."""
-    return (t if t.dtype in (torch.float64, torch.float32) else t.double()).numpy()
+    return (t if t.dtype in _HOST_FLOATS else t.double()).numpy()
+
+
+_HOST_FLOATS = (torch.float64, torch.float32)
 
 
 def _layout(grad: torch.Tensor) -> tuple:
@@ -317,9 +320,14 @@ class GradStats:
         # (the norms read through numpy, as the statistics vector is: no torch scalar read per value;
         # detached: gradients of a backward(create_graph=True) have norms that require grad)
         values: list[float] = []
-        for part in parts:
-            values += _host_values(part.detach() if part.requires_grad else part).tolist()
-        index = self._layer_index(as_present)
+        for part in parts:  # (_host_values, inline: a call fewer per piece)
+            if part.requires_grad:
+                part = part.detach()
+            values += (part if part.dtype in _HOST_FLOATS else part.double()).numpy().tolist()
+        plan = self._plan
+        index = plan.index_present if as_present else plan.index
+        if index is None:
+            index = self._layer_index(as_present)
         sq = [0.0] * self.layer_map.num_layers
         if inv_scale is None and weight is None:
             for layer, x in zip(index, values):
@@ -376,10 +384,14 @@ class GradStats:
         per_tensor = self._shared(dgrads, shared) if shared is not None and not exact else None
         as_present = self.last_shared = per_tensor is not None
         if per_tensor is None:
-            dgrads, parts = self._planned(lambda gs: self._norms(gs, exact, dtype), dgrads)
+            try:  # (_planned's first try, inline: two calls fewer on every step)
+                parts = self._norms(dgrads, exact, dtype)
+            except RuntimeError:
+                dgrads, parts = self._replanned(lambda gs: self._norms(gs, exact, dtype), dgrads)
         else:
             parts = [per_tensor]
-        weight = self._weight(dgrads, dtype)  # (never with shared norms: sharded gradients do not share)
+        # (never with shared norms: sharded gradients do not share)
+        weight = self._weight(dgrads, dtype) if self.sharded else None
         if self._host:
             sq = self._host_layer_sq(parts, inv_scale, weight, as_present)
             return sq if as_list else torch.tensor(sq, dtype=torch.float64)
@@ -418,14 +430,19 @@ class GradStats:
         try:
             return dgrads, pass_(dgrads)
         except RuntimeError:
-            present, layouts = self._plan.present, self._layouts
-            if all(_layout(dgrads[pos]) == layouts[i] for pos, i in enumerate(present)):
-                raise
-            self._plans.clear()
-            self._layouts = [None] * len(self._layouts)
-            self._plan = None
-            dgrads = self._grads()
-            return dgrads, pass_(dgrads)
+            return self._replanned(pass_, dgrads)
+
+    def _replanned(self, pass_: Callable[[Any], Any], dgrads: Any) -> tuple[Any, Any]:
+        """:meth:`_planned` once its pass failed (called while the failure is handled): the
+        failure raised again if every gradient is as first read, else planned anew and passed."""
+        present, layouts = self._plan.present, self._layouts
+        if all(_layout(dgrads[pos]) == layouts[i] for pos, i in enumerate(present)):
+            raise  # (the failure being handled: no gradient changed)
+        self._plans.clear()
+        self._layouts = [None] * len(self._layouts)
+        self._plan = None
+        dgrads = self._grads()
+        return dgrads, pass_(dgrads)
 
     def layer_nonfinite_counts(self) -> torch.Tensor:
         """Count of non-finite gradient elements per layer (a second pass: only on a bad step).

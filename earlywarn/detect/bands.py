@@ -290,7 +290,12 @@ class Bands:
         joint = self._joint
         trig = self._together
         if trig is not None and grad_norm_sq > trig[0][j] and loss > trig[1][j]:
-            joint = together(joint, self._z(g, grad_norm_sq, j), None, self._z(lo_s, loss, j), self._t)[0]
+            # (_z of the two, written out: most steps come here)
+            y, m = 0.5 * math.log(grad_norm_sq), g[4][j]
+            zg = ((y - m) * g[5][j] if y > m else 0.0) + EPS
+            y, m = math.log(loss + self._shift), lo_s[4][j]
+            zl = ((y - m) * lo_s[5][j] if y > m else 0.0) + EPS
+            joint = together(joint, zg, None, zl, self._t)[0]
         if joint >= h_together:
             return False
         # the step is inside its bands: carry its evidence

@@ -68,29 +68,30 @@ class CalmSteps:
         """Keep the step if it is inside its bands (True: it is calm, its update is applied
         without more). False: it is to be judged; the detector is then up to date."""
         vals = host if type(host) is list else host.tolist()
+        # vals: the layers' squared norms..., loss, loss scale, user signals..., the state's flag
+        n = self._n
+        loss = vals[n] if tag.loss_reported else None
         b = self._bands
-        if b is not None:
-            if self._inside(b, vals, tag, lr):
-                self._keep(vals, tag, lr)
+        drawn = False
+        while True:
+            # (one test, then the step kept, written out here: the common step makes no other call)
+            if b is not None and tag.users == self._users and vals[-1] < math.inf and b.take(
+                    vals if n else None, tag.sq_sum, loss, [vals[i] for _, i in tag.users] if tag.users else (),
+                    lr, vals[n + 1] if self._scaler else None):  # (a poisoned optimizer state is repaired first)
+                # kept for the fold; the policy's bookkeeping done now (a few appends), so that a
+                # policy it leaves watching (an LR creeping up) has the next step judged, exactly
+                # as the step-by-step path asks it then
+                self.rows.append((vals, tag, lr))
+                policy = self.policy
+                policy.calm(math.nan if lr is None else lr, math.nan if loss is None else loss)
+                if policy.watching:
+                    self._bands = None  # the next step: folded in, no bands drawn (``quiet`` says 0), judged
                 return True
-            if b.taken == 0:
+            if drawn or (b is not None and b.taken == 0):
                 return False  # outside bands drawn from the current state: judged
-        self.fold()
-        b = self._draw(tag.step)
-        if b is not None and self._inside(b, vals, tag, lr):
-            self._keep(vals, tag, lr)
-            return True
-        return False
-
-    def _keep(self, vals: list[float], tag: StepTag, lr: float | None) -> None:
-        """A calm step: its row kept for the fold; the policy's bookkeeping done now (a few
-        appends), so that a policy it leaves :attr:`~earlywarn.policy.Policy.watching` (an LR
-        creeping up) has the next step judged, exactly as the step-by-step path asks it then."""
-        self.rows.append((vals, tag, lr))
-        policy = self.policy
-        policy.calm(math.nan if lr is None else lr, vals[self._n] if tag.loss_reported else math.nan)
-        if policy.watching:
-            self._bands = None  # the next step: folded in, no bands drawn (``quiet`` says 0), judged
+            self.fold()
+            b = self._draw(tag.step)
+            drawn = True
 
     def judged(self) -> None:
         """A step was judged (the detector's state moved): the next bands are drawn afresh."""
@@ -112,18 +113,9 @@ class CalmSteps:
         self._bands = b
         return b
 
-    def _inside(self, b: Bands, vals: list[float], tag: StepTag, lr: float | None) -> bool:
-        # vals: the layers' squared norms..., loss, loss scale, user signals..., the state's flag
-        if tag.users != self._users or not vals[-1] < math.inf:  # (a poisoned optimizer state is repaired first)
-            return False
-        n = self._n
-        users = [vals[i] for _, i in tag.users] if tag.users else ()
-        return b.take(vals if n else None, tag.sq_sum, vals[n] if tag.loss_reported else None, users, lr,
-                      vals[n + 1] if self._scaler else None)
-
     def fold(self) -> None:
         """Feed the kept steps to the detector (one block through its calm path) and their rows
-        to the trackers, in order (the policy had each at its step: :meth:`_keep`); the next
+        to the trackers, in order (the policy had each at its step: :meth:`take`); the next
         bands are drawn afresh."""
         rows = self.rows
         if not rows or self._folding:

@@ -159,6 +159,10 @@ class StepStatistics:
 
     # -- what the loop reports ---------------------------------------------------------------------
     def report_loss(self, loss: Any) -> None:
+        reported = self._reported
+        if type(loss) is torch.Tensor and "loss" not in reported and loss.dim() == 0:
+            reported["loss"] = _Mean(loss.detach())  # the usual call: as_scalar's and _add's work, inline
+            return
         self._add("loss", as_scalar(loss, "report_loss", "loss"))
 
     def report(self, name: str, value: Any) -> None:

@@ -413,7 +413,8 @@ class Watcher:
         host = self.statistics.read_now(vec, tag)
         lr = self.statistics.take_lr(tag.step)
         if self._calm.take(host, tag, lr):
-            out = apply(self._install.update(False))
+            update = self._install.update(False)  # (a sync update records no step: _run would only run it)
+            out = update if defer else self._install.run(update, args, kwargs)
             self._calm_after(tag, lr)
             return out
         decision = self._judge(host, tag, lr)
@@ -436,10 +437,13 @@ class Watcher:
 
     def _begin(self, inv_scale: torch.Tensor | None) -> "tuple[torch.Tensor | np.ndarray, StepTag]":
         clock = self.telemetry.clock
-        vec, tag = self.statistics.vector(clock.step, inv_scale)
-        tag.run_step, tag.batch, tag.gen = clock.run(clock.step), self.recovery.last_batch(), self._gen
-        self.recovery.fingerprints.bind(clock.step)  # what the forward passes since the last step saw
-        clock.step += 1
+        step = clock.step
+        vec, tag = self.statistics.vector(step, inv_scale)
+        # (before any rewind the run's clock is the training step)
+        tag.run_step = clock.run(step) if clock.segments else step
+        tag.batch, tag.gen = self.recovery.last_batch(), self._gen
+        self.recovery.fingerprints.bind(step)  # what the forward passes since the last step saw
+        clock.step = step + 1
         return vec, tag
 
     def _quiet_steps(self, step: int, k: int) -> int:
@@ -458,7 +462,8 @@ class Watcher:
         ep = self.episode
         if ep.elevated or ep.onset is not None:
             self.episode = ep.after(tag.step, (), elevated=False)
-        self.counters["steps"] = self.step
+        telemetry = self.telemetry
+        telemetry.counters["steps"] = telemetry.clock.step  # (self.counters and self.step: two calls more)
         self.recovery.calm_step(tag.step, lr)
 
     def _judge(self, host: "np.ndarray | list[float]", tag: StepTag, lr: float | None) -> Decision:
