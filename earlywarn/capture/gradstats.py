@@ -146,10 +146,12 @@ class _Group:
     plan: NormPlan | None = None  # dense groups: how their norms are taken (capture/norms.py)
     acc: torch.dtype | None = None  # the norms' accumulation dtype (_acc_dtype), and when exact
     acc_exact: torch.dtype | None = None
+    on_host: bool = False  # its norms are CPU tensors already
 
     def __post_init__(self) -> None:
         self.acc = _acc_dtype(self.device, self.dtype, False)
         self.acc_exact = _acc_dtype(self.device, self.dtype, True)
+        self.on_host = self.device.type == "cpu"
 
 
 class _Plan:
@@ -207,6 +209,7 @@ class GradStats:
         self._device = gather_device([_local(p).device for p in layer_map.params])
         self._dtype = stat_dtype(self._device)
         self._host = self._device.type == "cpu"  # the per-layer sums are taken in Python (module note)
+        self._num_layers = layer_map.num_layers  # (a property: read once)
         self.last_shared = False  # the last layer_sq_norms() used the clip's norms (pre-clip values)
         # Sharded model: per-tensor weights that make the sum over ranks exact (see _copy_weight).
         self.sharded = is_sharded(layer_map.params)
@@ -328,7 +331,7 @@ class GradStats:
         index = plan.index_present if as_present else plan.index
         if index is None:
             index = self._layer_index(as_present)
-        sq = [0.0] * self.layer_map.num_layers
+        sq = [0.0] * self._num_layers
         if inv_scale is None and weight is None:
             for layer, x in zip(index, values):
                 sq[layer] += x * x
@@ -416,7 +419,8 @@ class GradStats:
             else:
                 pieces = grp.plan.parts(grads, acc)
             if self._host:  # read piece by piece, in their own precision: squared in float64 (_host_layer_sq)
-                parts += [p if p.is_cpu else to_device(p, self._device, dtype) for p in pieces]
+                parts += pieces if grp.on_host else [
+                    p if p.is_cpu else to_device(p, self._device, dtype) for p in pieces]
             else:  # a device joins them: one copy per group when the group lives elsewhere
                 parts.append(to_device(pieces[0] if len(pieces) == 1 else torch.cat(pieces), self._device, dtype))
         return parts

@@ -77,9 +77,11 @@ def input_fingerprint(recovery: Recovery) -> Callable[..., None]:
 
     def observe(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled() and not fps.explicit:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if first is None:
-                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            for a in args:  # (a loop, not next() of a generator: the usual call, a frame fewer)
+                if isinstance(a, torch.Tensor):
+                    fps.observe(a)
+                    return
+            first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
             if first is not None:
                 fps.observe(first)
 

@@ -249,7 +249,7 @@ class StepStatistics:
     def read_now(self, vec: "torch.Tensor | list[float]", tag: StepTag) -> "np.ndarray | list[float]":
         """The step's one batched host read (sync mode); a bad step is recounted exactly. The
         CPU's vector comes back as the list it is (see ``_host_vector``), a device's as an array."""
-        host, _ = self.reader.push(vec, tag)
+        host = vec if type(vec) is list else self.reader.push(vec, tag)[0]  # (the CPU's list: the host's copy)
         L = self.num_layers  # host: [layer_sq (L)..., loss, loss scale, user signals...]
         sq_sum = _sum_of(host[:L]) if tag.sq_sum is None else tag.sq_sum
         if math.isfinite(sq_sum):

@@ -89,6 +89,7 @@ _FP_CAP = 1 << 20  # elements hashed per tensor; a larger one is hashed on an ev
 _FP_MIX = 1_000_003
 _FP_MASK = (1 << 64) - 1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNPLANNED = object()  # a kind of batch tensor met for the first time (its plan may be None: not hashed)
 
 
 def _tensors(x: Any, out: list[torch.Tensor], depth: int = 0) -> None:
@@ -200,15 +201,18 @@ class BatchFingerprints:
         else:
             found = []
             _tensors(batch, found)
+        plans = self._plans
         for t in found:
-            plan = self._plan(t)
+            plan = plans.get((t.shape, t.dtype, t.device, t.layout), _UNPLANNED)
+            if plan is _UNPLANNED:
+                plan = self._plan(t)
             if plan is None:
                 continue
             if t.requires_grad:
                 t = t.detach()  # held without its graph (the version counter is shared)
             version = t._version
             if self.hold_steps:
-                lt = local(t)  # a DTensor: this rank's shard is what is held
+                lt = t if type(t) is torch.Tensor else local(t)  # a DTensor: this rank's shard is what is held
                 ptr = lt.data_ptr()
                 if self._held_ptrs.get(ptr, version) != version:
                     # a held batch was overwritten in place: hash as batches come from now on

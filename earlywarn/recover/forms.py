@@ -54,6 +54,8 @@ def distributed_rank() -> int | None:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's own shard of a DTensor (no collective, no autograd wrapper); ``t`` otherwise."""
+    if type(t) is torch.Tensor:
+        return t  # (a plain tensor, the usual case: no DTensor test)
     return t._local_tensor if is_dtensor(t) else t
 
 
