@@ -80,10 +80,11 @@ CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a rampe
 
 OUTLIER_GROWTH = 1.25
 """An outlier is taken at its typical size (element by element against the optimizer's second
-moment where it keeps one: ``earlywarn.guard.bound``), and those after it in the same run scaled to
-``outlier_clip_ratio`` typical norms -- or, under plain SGD, to this many times the bound before
-(x9 after 10 steps, x87 after 20). A bad batch does one step of ordinary size; a spike of the
-model's own heals as it does under clipping (skipped, it left the model where the spike put it and
+moment where it keeps one: ``earlywarn.guard.bound``; at ``outlier_clip_ratio`` times it where
+the batch's loss is under ``TAIL_LOSS`` times its level: not a batch the model finds wrong), and
+those after it in the same run scaled to ``outlier_clip_ratio`` typical norms -- or, under plain
+SGD, to this many times the bound before (x9 after 10 steps, x87 after 20). A bad batch does one
+step of ordinary size; a spike of the model's own heals as it does under clipping (skipped, it left the model where the spike put it and
 the next gradient was the same outlier: 40 skipped in a row). A steady bound costs an optimizer
 whose step hardly depends on the gradient's scale (Adam, Lion, Adafactor) nothing -- a loss's
 scale changed on purpose, a new stage, a phase train at full rate -- and keeps a burst of bad
@@ -126,6 +127,9 @@ OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient 
 def outlier_note(nth: int, bound: float, scale_free: bool) -> str:
     """Why an outlier was taken at ``bound`` typical norms, the ``nth`` of its run (a clip's message)."""
     if nth <= 1:
+        if bound > 1.0:
+            return (f"taken at {bound:.3g}x its typical size: a bad batch does a few ordinary steps, a rare large "
+                    "gradient of the run's own keeps part of its signal, a spike of the run's own heals")
         return "taken at its typical size: a bad batch does one ordinary step, a spike of the run's own heals"
     how = (f"held at {bound:.3g}x its typical norm while the run lasts (the optimizer's step hardly depends on "
            "the gradient's scale: a new regime trains at full rate)" if scale_free else

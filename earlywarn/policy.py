@@ -313,7 +313,7 @@ class Policy:
         """An outlier is taken, bounded (``on_grad_outlier="clip"``), or skipped first
         (``"skip"``); the run's own kinds of outlier have rules of their own (-> the action, the
         factor the gradients are scaled by, why, and whether it bounds each element: a lone
-        outlier, the first of a run, is one step of ordinary size element by element)."""
+        outlier, the first of a run, is bounded element by element)."""
         self.outliers += 1
         if self.outliers == 1:
             self.run_start = t
@@ -355,10 +355,17 @@ class Policy:
             return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else "", False
         if self.trained_on is None:
             self.trained_on = t
-        # its typical norm for the first; then a steady bound costs a scale-free optimizer nothing and
-        # keeps a burst from inflating its second moment, and a plain SGD step grows with the regime
+        # a steady bound costs a scale-free optimizer nothing and keeps a burst from inflating its
+        # second moment (the first of a run element by element; one whose loss says the batch is
+        # wrong, or in a run whose heavy tail did damage, does one ordinary step); a plain SGD step
+        # grows with the regime
         k = self.outliers - 1
-        bound = 1.0 if k == 0 else self.cfg.outlier_clip_ratio if self.scale_free else OUTLIER_GROWTH ** k
+        if not self.scale_free:
+            bound = OUTLIER_GROWTH ** k
+        elif k == 0 and not (loss < TAIL_LOSS and not self.tail_revoked):
+            bound = 1.0
+        else:
+            bound = self.cfg.outlier_clip_ratio
         if not (ratio == ratio and ratio > bound):
             return Action.NONE, None, "", False
         return Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free), k == 0

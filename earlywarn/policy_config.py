@@ -76,11 +76,13 @@ class PolicyConfig:
     """GRAD_OUTLIER (warning): a finite gradient far above its typical norm, read before its update
     (sync mode). ``clip`` (the default): the update is taken, bounded -- the first outlier of a run
     at its typical size (each element held to its running RMS where the optimizer keeps one:
-    ``earlywarn.guard.bound``), the rest scaled to ``outlier_clip_ratio`` typical norms (plain SGD:
-    growing, ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never
-    inflated by a 1e4x gradient (which would stall the run for thousands of steps) and no batch goes
-    untrained: a spike of the model's own heals as it does under clipping, a new regime or a loss
-    weight raised on purpose trains at full rate, a bad batch takes one step of ordinary size. What
+    ``earlywarn.guard.bound``; to ``outlier_clip_ratio`` times it where the batch's loss is at its
+    level, so a policy gradient's first rare reward keeps part of its signal), the rest scaled to
+    ``outlier_clip_ratio`` typical norms (plain SGD: growing,
+    ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never inflated by a
+    1e4x gradient (which would stall the run for thousands of steps) and no batch goes untrained: a
+    spike of the model's own heals as it does under clipping, a new regime or a loss weight raised
+    on purpose trains at full rate, a bad batch takes one step of ordinary size. What
     tells a bad batch from the run's own outlier comes after it: a run of outliers that ends in one
     step with the loss far above its level before it, or half the run's progress lost, and is so
     still 30 steps later (a phase of other data has recovered by then), was a burst of bad batches
@@ -101,8 +103,9 @@ class PolicyConfig:
 
     outlier_clip_ratio: float = 3.0
     """The norm, in typical norms, the outliers of a run after its first are scaled to (an
-    optimizer whose step hardly depends on the gradient's scale); a run of outliers ends at a
-    gradient back under it (see ``outlier_skips``)."""
+    optimizer whose step hardly depends on the gradient's scale), and the first's elements to this
+    many times their running RMS where its batch's loss is at its level; a run of outliers ends at
+    a gradient back under it (see ``outlier_skips``)."""
 
     logit_lr_factor: float = 0.5
     """LOGIT_GROWTH (warning; only for a run that reports its attention logits,

@@ -1,6 +1,6 @@
 """A lone outlier bounded element by element against the optimizer's own second moment
-(earlywarn.guard.bound): the limits, the fallback, which outliers, and a rare large gradient whose
-elements still move."""
+(earlywarn.guard.bound): the limits, the fallback, which outliers, a rare large gradient whose
+elements still move, and the arithmetic its bound of 3 rests on."""
 
 from __future__ import annotations
 
@@ -160,3 +160,41 @@ def test_a_rare_large_gradient_moves_the_elements_it_carries_under_adam():
     ordinary = moved(False, ordinary=True)  # an ordinary gradient of the same direction
     assert moved(True) == pytest.approx(ordinary, rel=1e-3)
     assert moved(False) < 0.2 * ordinary
+
+
+@pytest.mark.parametrize("betas, whole", [((0.9, 0.95), 5.8), ((0.9, 0.999), 31.8)])
+def test_held_to_k_rms_an_element_moves_k_ordinary_steps_taken_whole_many_and_then_stalls(betas, whole):
+    """The arithmetic the bound of 3 rests on (guard.bound's docstring): against a twin that never
+    saw the outlier, an element held to 3x its RMS ends about 3 ordinary steps along it; taken
+    whole (1e4x), (1 - b1) / sqrt(1 - b2) / (1 - b1 / sqrt(b2)) steps whatever its size, and its
+    ordinary steps after it shrink a hundredfold (its second moment 1e8x up)."""
+    lr, n, s = 1e-3, 1000, 1e-3
+
+    def run(kind: str) -> tuple[float, float]:
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = torch.optim.Adam([p], lr=lr, betas=betas)
+        gen = torch.Generator().manual_seed(1)
+        noise = lambda: s * (2.0 * torch.randint(0, 2, (n,), generator=gen).float() - 1.0)
+        p.grad = torch.zeros(n)
+        opt.step()  # a run's steady state: its moments at the noise's scale, bias correction done
+        state = opt.state[p]
+        state["step"].fill_(1e5), state["exp_avg"].zero_(), state["exp_avg_sq"].fill_(s * s)
+        p.grad = noise() + (0.0 if kind == "twin" else 1e4 * s)
+        if kind == "bounded":
+            bound_gradients([p], opt, 3.0 * s * math.sqrt(n) / float(p.grad.norm()), 3.0)
+        opt.step()
+        moves = []
+        for _ in range(200):
+            p.grad = noise()
+            before = p.detach().clone()
+            opt.step()
+            step = p.detach() - before
+            moves.append(float((step - step.mean()).abs().mean()))  # the noise's steps, the outlier's drift left out
+        return -float(p.detach().mean()) / lr, sum(moves[:20]) / 20 / lr
+
+    twin, twin_moves = run("twin")
+    bounded, bounded_moves = run("bounded")
+    taken, taken_moves = run("whole")
+    assert bounded - twin == pytest.approx(3.0, rel=0.15)
+    assert taken - twin == pytest.approx(whole, rel=0.15)
+    assert bounded_moves > 0.8 * twin_moves and taken_moves < 0.01 * twin_moves

@@ -687,8 +687,9 @@ def test_a_rise_the_loss_gains_from_and_a_rise_to_rates_the_run_took_before_are_
 
 def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_once_seen():
     """A policy gradient's rare rewards: isolated outliers thousands of times the typical norm, the
-    loss near its level. The first is taken at its typical norm (a gradient corrupted after the
-    loss looks the same, once); from the second on they are taken, bounded to TAIL_BOUND x the
+    loss near its level. The first is taken bounded, element by element to 3x its RMS (a gradient
+    corrupted after the loss looks the same, once; corrupt data, its loss far up, and any outlier of
+    a run whose tail did damage: to its typical norm); from the second on they are taken, bounded to TAIL_BOUND x the
     largest seen. Corrupt data raises the loss with the gradient: bounded as any outlier. A tail
     outlier followed by damage to the loss ends the rule for the run."""
     from earlywarn.policy import TAIL_BOUND, Evidence
@@ -700,7 +701,8 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
 
     p = Policy()
     d = step(p, 10, 5000.0, 1.4)
-    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / 5000.0)  # the first: bounded
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 5000.0)  # the first: bounded
+    assert d.clip_each and "keeps part of its signal" in d.clip_note
     step(p, 11)
     d = step(p, 20, 6000.0, 0.8)
     assert not d.actions and p.tail_taken == p.tick  # the run's own tail: taken as it is
