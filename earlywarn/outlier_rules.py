@@ -84,8 +84,9 @@ moment where it keeps one: ``earlywarn.guard.bound``; at ``outlier_clip_ratio`` 
 the batch's loss is under ``TAIL_LOSS`` times its level: not a batch the model finds wrong), and
 those after it in the same run scaled to ``outlier_clip_ratio`` typical norms -- or, under plain
 SGD, to this many times the bound before (x9 after 10 steps, x87 after 20). A bad batch does one
-step of ordinary size; a spike of the model's own heals as it does under clipping (skipped, it left the model where the spike put it and
-the next gradient was the same outlier: 40 skipped in a row). A steady bound costs an optimizer
+step of ordinary size; a spike of the model's own heals as it does under clipping (skipped, it
+left the model where the spike put it and the next gradient was the same outlier: 40 skipped in a
+row). A steady bound costs an optimizer
 whose step hardly depends on the gradient's scale (Adam, Lion, Adafactor) nothing -- a loss's
 scale changed on purpose, a new stage, a phase train at full rate -- and keeps a burst of bad
 batches from inflating its second moment (grown, a 70-step burst x100 got through and the run

@@ -107,8 +107,8 @@ class PolicyDecision:
     clip_note: str = ""
     """Why an outlier's step is clipped (or skipped), when it is not one more of a run of them."""
     clip_each: bool = False
-    """The clip bounds each element of the gradient, not the whole: a lone outlier's step is one of
-    ordinary size element by element (:mod:`earlywarn.guard.bound`)."""
+    """The clip bounds each element of the gradient, not the whole: a lone outlier's elements are
+    held to ``clip_factor * ratio`` times their running RMS (:mod:`earlywarn.guard.bound`)."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
     lr_hold: float | None = None
@@ -362,7 +362,7 @@ class Policy:
         k = self.outliers - 1
         if not self.scale_free:
             bound = OUTLIER_GROWTH ** k
-        elif k == 0 and not (loss < TAIL_LOSS and not self.tail_revoked):
+        elif k == 0 and (self.tail_revoked or not loss < TAIL_LOSS):  # (NaN: not at its level)
             bound = 1.0
         else:
             bound = self.cfg.outlier_clip_ratio
