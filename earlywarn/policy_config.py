@@ -82,7 +82,9 @@ class PolicyConfig:
     ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never inflated by a
     1e4x gradient (which would stall the run for thousands of steps) and no batch goes untrained: a
     spike of the model's own heals as it does under clipping, a new regime or a loss weight raised
-    on purpose trains at full rate, a bad batch takes one step of ordinary size. What
+    on purpose trains at the optimizer's steady rate (taken whole it would go further while Adam's
+    second moment caught up: ~2x over 100 steps at beta2 0.999), a bad batch takes one step of
+    ordinary size. What
     tells a bad batch from the run's own outlier comes after it: a run of outliers that ends in one
     step with the loss far above its level before it, or half the run's progress lost, and is so
     still 30 steps later (a phase of other data has recovered by then), was a burst of bad batches
