@@ -88,14 +88,15 @@ step of ordinary size; a spike of the model's own heals as it does under clippin
 left the model where the spike put it and the next gradient was the same outlier: 40 skipped in a
 row). Under an optimizer whose step hardly depends on the gradient's scale (Adam, Lion,
 Adafactor) a steady bound trains a loss's scale changed on purpose, a new stage or a phase at
-the optimizer's steady rate, about one ordinary step a step. Taken whole, a new regime goes
-further while the second moment trails its scale: against the bound, 1.0x as far over 100
-steps at beta2 0.95, 1.2x at 0.99, and 1.9x at 0.999 (3.3x in the first 20 steps), which is why a
-new stage under Adam at 0.999 on a decaying schedule keeps less (pool_switch: 0.71 at the worst;
-``tests/test_bound.py``). The same extra reach is what a burst of bad batches takes whole, so
-the bound stays: it keeps a burst of bad batches from inflating the second moment (grown, a
-70-step burst x100 got through and the run ended as bare did, 81x its twin's loss). Plain SGD's
-step is the gradient: held at 3x, a new stage of 40x gradients lost 22% of its progress
+most at the optimizer's steady rate, about one ordinary step a step. Taken whole, a new regime
+goes further while the second moment trails its scale: against the bound, 1.0x as far over 100
+steps at beta2 0.95, 1.2x at 0.99, 1.9x at 0.999 (3.3x in the first 20 steps;
+``tests/test_bound.py``). One factor for the whole also leaves the elements a new regime moves
+less than its largest at a fraction of their own RMS, all but frozen (pool_switch: 0.71 at the
+worst). That extra reach is what a burst of bad batches takes whole, so the bound stays: it
+keeps a burst from inflating the second moment (grown, a 70-step burst x100 got through and the
+run ended as bare did, 81x its twin's loss). Plain SGD's step is the gradient: held at 3x, a new
+stage of 40x gradients lost 22% of its progress
 (``pool_switch``). A burst is told from a regime when it ends (``BURST_END_LOSS``); skipping
 its steps instead cost healthy runs that change their loss's scale, start a new stage or a phase
 6-21% of their steps."""

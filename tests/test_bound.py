@@ -209,8 +209,8 @@ def test_a_new_regime_held_at_3x_moves_as_far_as_taken_whole_only_where_the_seco
     gradient 300x its old RMS from one step on, in one direction. Held to 3x, Adam moves it
     about one to three ordinary steps a step. Taken whole, its second moment trails the new
     scale for ~1 / (1 - b2) steps, and each step is larger while it does: at b2 0.95 the two
-    travel as far over 100 steps; at b2 0.999, 3-4.5x as far in the first 20 and ~2x in 100
-    (pool_switch-23-000, Adam at 0.999 on a cosine schedule, keeps 0.71 of bare's progress)."""
+    travel as far over 100 steps; at b2 0.999, 3-4.5x as far in the first 20 and ~2x in 100.
+    (The best case for the bound: every element the same multiple of its own RMS.)"""
     lr, n = 1e-3, 256
 
     def travelled(held: bool) -> float:
