@@ -45,6 +45,13 @@ weight raised for a phase) left the model trained, its loss at its level; a phas
 (a new pool for 45-95 steps) ends with the model having forgotten the earlier data (3.2x), and
 recovers it within those steps (1.3x)."""
 
+BURST_END_MATTERS = 0.01
+"""See ``BURST_END_LOSS``: a loss that many times its level is damage only where it has also lost
+at least this fraction of the run's progress (where that is known). A run that memorized its data
+down to a loss near 0 meets a new stage's floor at 100x+ that level, having lost next to nothing
+(``pool_switch-23-004``, its new stage learned fast with each element free up to one ordinary
+step, was rewound so, and 40 steps skipped)."""
+
 BURST_END_LOST = 0.5
 """See ``BURST_END_LOSS``: ... or with this fraction of the run's progress lost (the loss this
 far from its level before the run back to the run's first loss): a classifier's loss is bounded
@@ -78,12 +85,26 @@ what went bad, and a skip leaves the model where the rewind put it."""
 
 CLIMB_NOTE = "the gradient climbed into the outliers over several steps (a ramped loss weight, a moving regime), its growth bounded"
 
+RUN_ELEMENT_RMS = 0.5
+"""The outliers of a run after its first, under an optimizer that keeps a running second moment:
+each element may take up to this many times its running RMS -- half an ordinary step -- and none
+less than the whole's factor (``outlier_clip_ratio`` typical norms). One factor alone left the
+elements a new regime moves less than its largest at a fraction of their own RMS, all but
+frozen: a new stage after a memorized one kept 0.71 of bare's progress (``pool_switch-23-000``).
+Measured on it and on ``tests/test_rewind_loops.py``'s loops (a loss weight raised 50x for 70
+steps; a 70-step burst of 100x targets): 0.3 / 0.5 / 1 RMS kept it 0.79 / 0.84 / 0.94, the loss
+weight's loop ended 0.98 / 0.99 / 1.06x bare's loss (one whole ordinary step frees the elements
+whose gradient is mostly noise too), the burst 1.58 / 1.65 / 2.07x its twin's (one factor alone:
+1.56x; bare: 720x)."""
+
+
 OUTLIER_GROWTH = 1.25
 """An outlier is taken at its typical size (element by element against the optimizer's second
 moment where it keeps one: ``earlywarn.guard.bound``; at ``outlier_clip_ratio`` times it where
 the batch's loss is under ``TAIL_LOSS`` times its level: not a batch the model finds wrong), and
-those after it in the same run scaled to ``outlier_clip_ratio`` typical norms -- or, under plain
-SGD, to this many times the bound before (x9 after 10 steps, x87 after 20). A bad batch does one
+those after it in the same run scaled to ``outlier_clip_ratio`` typical norms (each element free
+up to ``RUN_ELEMENT_RMS`` times its running RMS) -- or, under plain SGD, to this many times the
+bound before (x9 after 10 steps, x87 after 20). A bad batch does one
 step of ordinary size; a spike of the model's own heals as it does under clipping (skipped, it
 left the model where the spike put it and the next gradient was the same outlier: 40 skipped in a
 row). Under an optimizer whose step hardly depends on the gradient's scale (Adam, Lion,
@@ -91,9 +112,9 @@ Adafactor) a steady bound trains a loss's scale changed on purpose, a new stage 
 most at the optimizer's steady rate, about one ordinary step a step. Taken whole, a new regime
 goes further while the second moment trails its scale: against the bound, 1.0x as far over 100
 steps at beta2 0.95, 1.2x at 0.99, 1.9x at 0.999 (3.3x in the first 20 steps;
-``tests/test_bound.py``). One factor for the whole also leaves the elements a new regime moves
-less than its largest at a fraction of their own RMS, all but frozen (pool_switch: 0.71 at the
-worst). That extra reach is what a burst of bad batches takes whole, so the bound stays: it
+``tests/test_bound.py``). One factor for the whole also left the elements a new regime moves
+less than its largest at a fraction of their own RMS, all but frozen (``RUN_ELEMENT_RMS``). That
+extra reach is what a burst of bad batches takes whole, so the bound stays: it
 keeps a burst from inflating the second moment (grown, a 70-step burst x100 got through and the
 run ended as bare did, 81x its twin's loss). Plain SGD's step is the gradient: held at 3x, a new
 stage of 40x gradients lost 22% of its progress
@@ -131,6 +152,12 @@ TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the mod
 OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient smaller): trained on, bounded"
 
 
+def damaged(ratio: float, lost: float) -> bool:
+    """A run of outliers left the loss damaged (``BURST_END_*``): the loss ``ratio`` times its level
+    before the run, ``lost`` the fraction of the run's progress lost (NaN: not known)."""
+    return lost >= BURST_END_LOST or ratio >= BURST_END_LOSS and not lost < BURST_END_MATTERS
+
+
 def outlier_note(nth: int, bound: float, scale_free: bool) -> str:
     """Why an outlier was taken at ``bound`` typical norms, the ``nth`` of its run (a clip's message)."""
     if nth <= 1:
@@ -138,8 +165,9 @@ def outlier_note(nth: int, bound: float, scale_free: bool) -> str:
             return (f"taken at {bound:.3g}x its typical size: a bad batch does a few ordinary steps, a rare large "
                     "gradient of the run's own keeps part of its signal, a spike of the run's own heals")
         return "taken at its typical size: a bad batch does one ordinary step, a spike of the run's own heals"
-    how = (f"held at {bound:.3g}x its typical norm while the run lasts (the optimizer's step hardly depends on "
-           "the gradient's scale: a new regime trains at its steady rate)" if scale_free else
+    how = (f"held at {bound:.3g}x its typical norm while the run lasts, each element free up to half an ordinary step "
+           "(the optimizer's step hardly depends on the gradient's scale: a new regime trains at its steady rate)"
+           if scale_free else
            "its bound growing while the run lasts (plain SGD: a new regime trains at full size within a few steps)")
     return f"the {_ordinal(nth)} in a row, {how}; a burst is judged when it ends"
 

@@ -19,9 +19,9 @@ from earlywarn.events import Event, Kind, Level
 from earlywarn.lrtrend import LOSS_STEPS, LrTrend
 from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, importable from here too)
     BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
-    BURST_HEAL_STEPS, HEAL_MEAN,
+    BURST_HEAL_STEPS, HEAL_MEAN, RUN_ELEMENT_RMS,
     CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
-    TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH, outlier_note)
+    TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH, damaged, outlier_note)
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
@@ -106,9 +106,10 @@ class PolicyDecision:
     """Scale this step's gradients by this before its update (a persistent outlier, clipped)."""
     clip_note: str = ""
     """Why an outlier's step is clipped (or skipped), when it is not one more of a run of them."""
-    clip_each: bool = False
-    """The clip bounds each element of the gradient, not the whole: a lone outlier's elements are
-    held to ``clip_factor * ratio`` times their running RMS (:mod:`earlywarn.guard.bound`)."""
+    clip_rms: float | None = None
+    """The clip bounds each element of the gradient: to at most this many times its running RMS
+    where the optimizer keeps one, never under ``clip_factor`` (:mod:`earlywarn.guard.bound`).
+    None: the whole scaled by ``clip_factor``."""
     lr_copy: bool = False
     """Save a clean copy now, before this step's update (an LR jump the next steps will judge)."""
     lr_hold: float | None = None
@@ -199,7 +200,7 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy, hold_target, clip, clip_note, each = 0, None, False, False, None, "", False
+        back, ceiling, lr_copy, hold_target, clip, clip_note, each = 0, None, False, False, None, "", None
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
             self.lr_trend.push(evidence.lr, evidence.loss)
@@ -304,30 +305,30 @@ class Policy:
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
             lr_hold=hold, lr_hold_why=hold_why if hold is not None else "",
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
-            clip_each=each and Action.CLIP in wanted and not restores,
+            clip_rms=each if Action.CLIP in wanted and not restores else None,
             clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores
             else "")
 
     # -- the rules that read more than one alert -----------------------------------------------
-    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str, bool]:
+    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str, float | None]:
         """An outlier is taken, bounded (``on_grad_outlier="clip"``), or skipped first
         (``"skip"``); the run's own kinds of outlier have rules of their own (-> the action, the
-        factor the gradients are scaled by, why, and whether it bounds each element: a lone
-        outlier, the first of a run, is bounded element by element)."""
+        factor the gradients are scaled by, why, and the bound of each element in running RMS: the
+        first of a run ``bound``, the rest ``RUN_ELEMENT_RMS``, never under the whole's factor)."""
         self.outliers += 1
         if self.outliers == 1:
             self.run_start = t
         ratio = a.values.get("ratio", math.nan)
         if action not in (Action.CLIP, Action.SKIP):  # a configured response of another kind: as configured
-            return action, None, "", False
+            return action, None, "", None
         if a.values.get("joined", 0.0):
             # a part of the model starts or resumes training: the run's own step; one that resumes
             # (idle experts may come back at any step) is bounded
             if a.values.get("idle", 0.0) and ratio > IDLE_STEP_CAP:
-                return Action.CLIP, IDLE_STEP_CAP / ratio, IDLE_NOTE, False
-            return Action.NONE, None, "", False
+                return Action.CLIP, IDLE_STEP_CAP / ratio, IDLE_NOTE, None
+            return Action.NONE, None, "", None
         if self.big_applied is not None and t - self.big_applied <= 3:
-            return Action.NONE, None, "", False  # the run recovering from its own large update: let it
+            return Action.NONE, None, "", None  # the run recovering from its own large update: let it
         loss = a.values.get("loss_ratio", math.nan)
         known = self.tail_seen >= TAIL_SEEN
         # the loss at its level, or (a tail known) within twice the loss its outliers had (False on NaN)
@@ -338,7 +339,7 @@ class Policy:
             if known:
                 cap = TAIL_BOUND * self.tail_max
                 self.tail_taken, self.tail_max = t, max(self.tail_max, min(ratio, cap))
-                return (Action.NONE, None, TAIL_NOTE, False) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE, False)
+                return (Action.NONE, None, TAIL_NOTE, None) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE, None)
             self.tail_seen += 1
             self.tail_max = max(self.tail_max, ratio)
         prev = a.values.get("prev_ratio", 1.0)
@@ -348,11 +349,11 @@ class Policy:
         if self.climb == self.climb:
             allowed = CLIMB_GROWTH * self.climb
             self.climb = min(ratio, allowed) if ratio == ratio else allowed
-            return (Action.NONE, None, "", False) if ratio <= allowed else (Action.CLIP, allowed / ratio, CLIMB_NOTE, False)
+            return (Action.NONE, None, "", None) if ratio <= allowed else (Action.CLIP, allowed / ratio, CLIMB_NOTE, None)
         if self.burst_rewound is not None and t - self.burst_rewound <= BURST_END_WITHIN:
             action = Action.SKIP  # a burst was rewound just now: more of it is the same bad data, not the run's
         if action is Action.SKIP and self.outliers <= self.cfg.outlier_skips:
-            return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else "", False
+            return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else "", None
         if self.trained_on is None:
             self.trained_on = t
         # a steady bound costs a scale-free optimizer nothing and keeps a burst from inflating its
@@ -367,8 +368,10 @@ class Policy:
         else:
             bound = self.cfg.outlier_clip_ratio
         if not (ratio == ratio and ratio > bound):
-            return Action.NONE, None, "", False
-        return Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free), k == 0
+            return Action.NONE, None, "", None
+        # (the rest of a run: each element may take half an ordinary step, so that none is all but frozen)
+        return (Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free),
+                bound if k == 0 else RUN_ELEMENT_RMS if self.scale_free else None)
 
     def _burst_end(self, alerts: list[Event], ev: Evidence, t: int) -> None:
         """A run trained on past the skip budget that ends in one step -- its gradient
@@ -385,7 +388,7 @@ class Policy:
                 or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
             return
         level, first = ev.loss / ev.loss_ratio, self.lr_trend.first_loss
-        if not (ev.loss_ratio >= BURST_END_LOSS or _progress_lost(ev.loss, level, first) >= BURST_END_LOST):
+        if not damaged(ev.loss_ratio, _progress_lost(ev.loss, level, first)):
             return
         level_in_run = logs / n
         fell = math.log(_size(ev) * BURST_END_DROP)
@@ -406,7 +409,7 @@ class Policy:
         # (a loss that is not positive has no ratio to its level: the detector's own, this step's)
         ratio = now / level if level > 0.0 else ev.loss_ratio
         lost = _progress_lost(now, level, first)
-        if not (ratio >= BURST_END_LOSS or lost >= BURST_END_LOST):
+        if not damaged(ratio, lost):
             return 0, ""
         return t - start + 1, (f"a run of {end - start} steps of outlier gradients, trained on bounded, ended in one "
                                f"step at step {end} with the loss damaged, and {t - end} steps later it is still "

@@ -78,20 +78,20 @@ class PolicyConfig:
     at its typical size (each element held to its running RMS where the optimizer keeps one:
     ``earlywarn.guard.bound``; to ``outlier_clip_ratio`` times it where the batch's loss is at its
     level, so a policy gradient's first rare reward keeps part of its signal), the rest scaled to
-    ``outlier_clip_ratio`` typical norms (plain SGD: growing,
+    ``outlier_clip_ratio`` typical norms, each element free up to half an ordinary step
+    (``earlywarn.outlier_rules.RUN_ELEMENT_RMS``; plain SGD: growing,
     ``earlywarn.outlier_rules.OUTLIER_GROWTH``) -- so Adam's second moment is never inflated by a
     1e4x gradient (which would stall the run for thousands of steps) and no batch goes untrained: a
     spike of the model's own heals as it does under clipping, a new regime or a loss weight raised
     on purpose trains at the optimizer's steady rate (taken whole it would go further while Adam's
     second moment caught up: ~2x over 100 steps at beta2 0.999), a bad batch takes one step of
-    ordinary size. What
-    tells a bad batch from the run's own outlier comes after it: a run of outliers that ends in one
-    step with the loss far above its level before it, or half the run's progress lost, and is so
-    still 30 steps later (a phase of other data has recovered by then), was a burst of bad batches
-    and is rewound to before it (``BURST_END_LOSS``, ``BURST_HEAL_STEPS``), and
-    outliers in the ``BURST_END_WITHIN`` steps after are more of it: skipped; the run's own kinds of
-    outlier (a part unfrozen or idle trains again, a climb, a heavy tail) are taken with their own
-    bounds. ``skip``: the first ``outlier_skips`` outliers of every run are skipped and quarantined,
+    ordinary size. What tells a bad batch from the run's own outlier comes after it: a run of
+    outliers that ends in one step with the loss far above its level before it (and 1% of the
+    run's progress lost), or half the run's progress lost, and is so still 30 steps later (a phase
+    of other data has recovered by then), was a burst of bad batches and is rewound to before it
+    (``BURST_END_LOSS``, ``BURST_END_MATTERS``, ``BURST_HEAL_STEPS``), and outliers in the
+    ``BURST_END_WITHIN`` steps after are more of it: skipped; the run's own kinds of outlier (a part
+    unfrozen or idle trains again, a climb, a heavy tail) are taken with their own bounds. ``skip``: the first ``outlier_skips`` outliers of every run are skipped and quarantined,
     then bounded as above (measured on ``benchmarks/rescue.py``: healthy runs that change their
     loss's scale, start a new stage or a phase lost 6-21% of their steps so, and a spike of the
     model's own is refused every time: a skip leaves the model where the spike put it). Async mode

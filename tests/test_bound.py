@@ -113,8 +113,9 @@ def test_a_nan_bound_takes_the_whole_factor():
     assert torch.allclose(p.grad, 0.25 * g)
 
 
-def test_the_first_outlier_of_a_run_is_bounded_element_by_element_the_rest_as_a_whole():
+def test_the_first_outlier_of_a_run_is_bounded_element_by_element_the_rest_to_a_factor_and_one_ordinary_step():
     from earlywarn.events import Event, Kind, Level
+    from earlywarn.outlier_rules import RUN_ELEMENT_RMS
     from earlywarn.policy import Evidence, Policy
 
     def out(s, ratio):
@@ -123,8 +124,10 @@ def test_the_first_outlier_of_a_run_is_bounded_element_by_element_the_rest_as_a_
 
     p = Policy()
     d = [p.decide(s, [out(s, 40.0)], Evidence(40.0, 50.0)) for s in range(100, 104)]
-    assert [x.clip_each for x in d] == [True, False, False, False]
+    assert [x.clip_rms for x in d] == [1.0, RUN_ELEMENT_RMS, RUN_ELEMENT_RMS, RUN_ELEMENT_RMS]
     assert [round(x.clip_factor * 40.0, 6) for x in d] == [1.0, 3.0, 3.0, 3.0]
+    sgd = Policy(scale_free=False)  # plain SGD keeps no second moment: its bound is the whole's
+    assert [sgd.decide(s, [out(s, 40.0)], Evidence(40.0, 50.0)).clip_rms for s in range(100, 103)] == [1.0, None, None]
 
 
 def test_a_rare_large_gradient_moves_the_elements_it_carries_under_adam():

@@ -473,6 +473,22 @@ def test_a_gradient_that_climbed_into_the_outliers_is_applied_with_its_growth_bo
     assert p.decide(102, out(102, 25.0, 1.0, 0), Evidence(25.0, 1.0)).clip_factor == pytest.approx(1.0 / 25.0)
 
 
+def test_a_run_of_outliers_damaged_the_loss_only_where_it_lost_some_of_the_runs_progress():
+    """BURST_END_LOSS (the loss 2x its level before the run) counts as damage only with at least
+    BURST_END_MATTERS of the run's progress lost too: a run memorized down to a loss near 0 meets a
+    new stage's floor at 100x+ that level, having lost nothing that counts. Half the progress lost
+    is damage at any ratio (a classifier's loss is bounded by chance); unknown progress (a loss that
+    is not positive): the ratio alone."""
+    from earlywarn.outlier_rules import BURST_END_LOSS, BURST_END_LOST, BURST_END_MATTERS, damaged
+
+    assert damaged(2.5, 0.2)  # shuffled labels: 2.5x its level, a fifth of the progress lost
+    assert damaged(BURST_END_LOSS, BURST_END_MATTERS)
+    assert damaged(2.5, math.nan)
+    assert damaged(1.2, BURST_END_LOST)
+    assert not damaged(142.0, 0.0004)  # memorized to ~1e-5, a new stage learned to ~1e-3
+    assert not damaged(1.5, 0.3)
+
+
 def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model():
     """A run of outliers trains on, bounded. If it then ends in one step (its norm from >=
     BURST_END_DROP x the clip ratio to under it) with the loss BURST_END_LOSS x its level before the
@@ -702,7 +718,7 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
     p = Policy()
     d = step(p, 10, 5000.0, 1.4)
     assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 5000.0)  # the first: bounded
-    assert d.clip_each and "keeps part of its signal" in d.clip_note
+    assert d.clip_rms == 3.0 and "keeps part of its signal" in d.clip_note
     step(p, 11)
     d = step(p, 20, 6000.0, 0.8)
     assert not d.actions and p.tail_taken == p.tick  # the run's own tail: taken as it is

@@ -108,27 +108,27 @@ class Responses:
 
     # -- a clipped step -------------------------------------------------------------------------------
     def clip(self, decision: Decision, tag: StepTag) -> None:
-        """An outlier gradient taken bounded: scaled down before the update (a lone one element by
-        element, :mod:`earlywarn.guard.bound`)."""
+        """An outlier gradient taken bounded: scaled down before the update, element by element
+        where the policy says so (:mod:`earlywarn.guard.bound`)."""
         factor = decision.policy.clip_factor
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
-        each = decision.policy.clip_each
+        each = decision.policy.clip_rms
         if not self._dry:
-            if each:
-                bound_gradients(self.statistics.layer_map.params, self.recovery.optimizer, factor, factor * ratio,
-                                tag.inv_scale)
+            if each is not None:
+                bound_gradients(self.statistics.layer_map.params, self.recovery.optimizer, factor, each, tag.inv_scale)
             else:
                 self.statistics.scale_gradients(factor)
         why = decision.policy.clip_note or "bounded"
-        how = (f"each element held to {factor * ratio:.3g}x its running RMS where the optimizer keeps one, the whole "
-               f"scaled by {factor:.3g} at least" if each else
+        how = (f"each element held to {each:.3g}x its running RMS where the optimizer keeps one, the whole "
+               f"scaled by {factor:.3g} at least ({ratio * factor:.3g}x its typical norm)" if each is not None else
                f"scaled by {factor:.3g} to {ratio * factor:.3g}x its typical norm")
         self._emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
             message=f"outlier gradient ({ratio:.3g}x its typical norm), {why}: {how} before the update",
-            values={"clip_factor": factor, "ratio": ratio, "each": float(each)}, batch=_batch_index(tag)))
+            values={"clip_factor": factor, "ratio": ratio, "each": each if each is not None else 0.0},
+            batch=_batch_index(tag)))
 
     # -- a skipped step -------------------------------------------------------------------------------
     def skipped(self, decision: Decision, tag: StepTag) -> None:
