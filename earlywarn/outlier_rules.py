@@ -97,17 +97,15 @@ weight's loop ended 0.98 / 0.99 / 1.06x bare's loss (one whole ordinary step fre
 whose gradient is mostly noise too), the burst 1.58 / 1.65 / 2.07x its twin's (one factor alone:
 1.56x; bare: 720x)."""
 
-
 OUTLIER_GROWTH = 1.25
 """An outlier is taken at its typical size (element by element against the optimizer's second
 moment where it keeps one: ``earlywarn.guard.bound``; at ``outlier_clip_ratio`` times it where
 the batch's loss is under ``TAIL_LOSS`` times its level: not a batch the model finds wrong), and
 those after it in the same run scaled to ``outlier_clip_ratio`` typical norms (each element free
 up to ``RUN_ELEMENT_RMS`` times its running RMS) -- or, under plain SGD, to this many times the
-bound before (x9 after 10 steps, x87 after 20). A bad batch does one
-step of ordinary size; a spike of the model's own heals as it does under clipping (skipped, it
-left the model where the spike put it and the next gradient was the same outlier: 40 skipped in a
-row). Under an optimizer whose step hardly depends on the gradient's scale (Adam, Lion,
+bound before (x9 after 10 steps, x87 after 20). A bad batch does one step of ordinary size; a
+spike of the model's own heals as it does under clipping (skipped, it left the model where the
+spike put it and the next gradient was the same outlier: 40 skipped in a row). Under an optimizer whose step hardly depends on the gradient's scale (Adam, Lion,
 Adafactor) a steady bound trains a loss's scale changed on purpose, a new stage or a phase at
 most at the optimizer's steady rate, about one ordinary step a step. Taken whole, a new regime
 goes further while the second moment trails its scale: against the bound, 1.0x as far over 100
@@ -165,9 +163,9 @@ def outlier_note(nth: int, bound: float, scale_free: bool) -> str:
             return (f"taken at {bound:.3g}x its typical size: a bad batch does a few ordinary steps, a rare large "
                     "gradient of the run's own keeps part of its signal, a spike of the run's own heals")
         return "taken at its typical size: a bad batch does one ordinary step, a spike of the run's own heals"
-    how = (f"held at {bound:.3g}x its typical norm while the run lasts, each element free up to half an ordinary step "
-           "(the optimizer's step hardly depends on the gradient's scale: a new regime trains at its steady rate)"
-           if scale_free else
+    how = (f"held at {bound:.3g}x its typical norm while the run lasts, each element free up to "
+           f"{RUN_ELEMENT_RMS:g}x its running RMS (the optimizer's step hardly depends on the gradient's scale: a new "
+           "regime trains at its steady rate)" if scale_free else
            "its bound growing while the run lasts (plain SGD: a new regime trains at full size within a few steps)")
     return f"the {_ordinal(nth)} in a row, {how}; a burst is judged when it ends"
 
