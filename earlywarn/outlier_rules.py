@@ -105,20 +105,20 @@ those after it in the same run scaled to ``outlier_clip_ratio`` typical norms (e
 up to ``RUN_ELEMENT_RMS`` times its running RMS) -- or, under plain SGD, to this many times the
 bound before (x9 after 10 steps, x87 after 20). A bad batch does one step of ordinary size; a
 spike of the model's own heals as it does under clipping (skipped, it left the model where the
-spike put it and the next gradient was the same outlier: 40 skipped in a row). Under an optimizer whose step hardly depends on the gradient's scale (Adam, Lion,
-Adafactor) a steady bound trains a loss's scale changed on purpose, a new stage or a phase at
-most at the optimizer's steady rate, about one ordinary step a step. Taken whole, a new regime
-goes further while the second moment trails its scale: against the bound, 1.0x as far over 100
-steps at beta2 0.95, 1.2x at 0.99, 1.9x at 0.999 (3.3x in the first 20 steps;
-``tests/test_bound.py``). One factor for the whole also left the elements a new regime moves
-less than its largest at a fraction of their own RMS, all but frozen (``RUN_ELEMENT_RMS``). That
-extra reach is what a burst of bad batches takes whole, so the bound stays: it
-keeps a burst from inflating the second moment (grown, a 70-step burst x100 got through and the
-run ended as bare did, 81x its twin's loss). Plain SGD's step is the gradient: held at 3x, a new
-stage of 40x gradients lost 22% of its progress
-(``pool_switch``). A burst is told from a regime when it ends (``BURST_END_LOSS``); skipping
-its steps instead cost healthy runs that change their loss's scale, start a new stage or a phase
-6-21% of their steps."""
+spike put it and the next gradient was the same outlier: 40 skipped in a row). Under an
+optimizer whose step hardly depends on the gradient's scale (Adam, Lion, Adafactor) a steady
+bound trains a loss's scale changed on purpose, a new stage or a phase at most at the
+optimizer's steady rate, about one ordinary step a step. Taken whole, a new regime goes further
+while the second moment trails its scale: against the bound, 1.0x as far over 100 steps at beta2
+0.95, 1.2x at 0.99, 1.9x at 0.999 (3.3x in the first 20 steps; ``tests/test_bound.py``). One
+factor for the whole also left the elements a new regime moves less than its largest at a
+fraction of their own RMS, all but frozen (``RUN_ELEMENT_RMS``). That extra reach is what a burst
+of bad batches takes whole, so the bound stays: it keeps a burst from inflating the second moment
+(grown, a 70-step burst x100 got through and the run ended as bare did, 81x its twin's loss).
+Plain SGD's step is the gradient: held at 3x, a new stage of 40x gradients lost 22% of its
+progress (``pool_switch``). A burst is told from a regime when it ends (``BURST_END_LOSS``);
+skipping its steps instead cost healthy runs that change their loss's scale, start a new stage
+or a phase 6-21% of their steps."""
 
 TAIL_LOSS = 2.5
 """An outlier gradient on a batch whose loss is under this many times its level is not a batch the

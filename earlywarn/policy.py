@@ -200,7 +200,7 @@ class Policy:
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
-        back, ceiling, lr_copy, hold_target, clip, clip_note, each = 0, None, False, False, None, "", None
+        back, ceiling, lr_copy, hold_target, clip, clip_note, rms = 0, None, False, False, None, "", None
         if evidence.lr == evidence.lr:
             self.lrs.append((t, evidence.lr))
             self.lr_trend.push(evidence.lr, evidence.loss)
@@ -213,7 +213,7 @@ class Policy:
             warned_now |= a.kind is Kind.COLLAPSE_RISK
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
             if a.kind is Kind.GRAD_OUTLIER:
-                action, clip, clip_note, each = self._outlier(a, action, t)
+                action, clip, clip_note, rms = self._outlier(a, action, t)
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and "lr_ref" in a.values and cfg.lr_probe_steps:
@@ -305,7 +305,7 @@ class Policy:
             hold_lr_at_target=hold_target and Action.REWIND in wanted and ceiling is None and hold is None,
             lr_hold=hold, lr_hold_why=hold_why if hold is not None else "",
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
-            clip_rms=each if Action.CLIP in wanted and not restores else None,
+            clip_rms=rms if Action.CLIP in wanted and not restores else None,
             clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores
             else "")
 
@@ -356,10 +356,9 @@ class Policy:
             return action, None, BURST_AGAIN_NOTE if action is not self.cfg.on_grad_outlier else "", None
         if self.trained_on is None:
             self.trained_on = t
-        # a steady bound costs a scale-free optimizer nothing and keeps a burst from inflating its
-        # second moment (the first of a run element by element; one whose loss says the batch is
-        # wrong, or in a run whose heavy tail did damage, does one ordinary step); a plain SGD step
-        # grows with the regime
+        # a steady bound keeps a burst from inflating a scale-free optimizer's second moment (the
+        # first of a run element by element; one whose loss says the batch is wrong, or in a run
+        # whose heavy tail did damage, does one ordinary step); a plain SGD step grows with the regime
         k = self.outliers - 1
         if not self.scale_free:
             bound = OUTLIER_GROWTH ** k

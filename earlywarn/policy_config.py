@@ -91,8 +91,9 @@ class PolicyConfig:
     of other data has recovered by then), was a burst of bad batches and is rewound to before it
     (``BURST_END_LOSS``, ``BURST_END_MATTERS``, ``BURST_HEAL_STEPS``), and outliers in the
     ``BURST_END_WITHIN`` steps after are more of it: skipped; the run's own kinds of outlier (a part
-    unfrozen or idle trains again, a climb, a heavy tail) are taken with their own bounds. ``skip``: the first ``outlier_skips`` outliers of every run are skipped and quarantined,
-    then bounded as above (measured on ``benchmarks/rescue.py``: healthy runs that change their
+    unfrozen or idle trains again, a climb, a heavy tail) are taken with their own bounds.
+    ``skip``: the first ``outlier_skips`` outliers of every run are skipped and quarantined, then
+    bounded as above (measured on ``benchmarks/rescue.py``: healthy runs that change their
     loss's scale, start a new stage or a phase lost 6-21% of their steps so, and a spike of the
     model's own is refused every time: a skip leaves the model where the spike put it). Async mode
     reads it after its update was applied and can do neither."""

@@ -113,7 +113,7 @@ def test_a_nan_bound_takes_the_whole_factor():
     assert torch.allclose(p.grad, 0.25 * g)
 
 
-def test_the_first_outlier_of_a_run_is_bounded_element_by_element_the_rest_to_a_factor_and_one_ordinary_step():
+def test_the_first_outlier_of_a_run_is_bounded_element_by_element_the_rest_to_a_factor_and_half_a_step():
     from earlywarn.events import Event, Kind, Level
     from earlywarn.outlier_rules import RUN_ELEMENT_RMS
     from earlywarn.policy import Evidence, Policy

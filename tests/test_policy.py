@@ -705,8 +705,8 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
     """A policy gradient's rare rewards: isolated outliers thousands of times the typical norm, the
     loss near its level. The first is taken bounded, element by element to 3x its RMS (a gradient
     corrupted after the loss looks the same, once; corrupt data, its loss far up, and any outlier of
-    a run whose tail did damage: to its typical norm); from the second on they are taken, bounded to TAIL_BOUND x the
-    largest seen. Corrupt data raises the loss with the gradient: bounded as any outlier. A tail
+    a run whose tail did damage: to its typical norm); from the second on they are taken, bounded
+    to TAIL_BOUND x the largest seen. Corrupt data raises the loss with the gradient: bounded as any outlier. A tail
     outlier followed by damage to the loss ends the rule for the run."""
     from earlywarn.policy import TAIL_BOUND, Evidence
 

@@ -31,7 +31,7 @@ def _levels(res: dict) -> list[str]:
 # against the bare run's 0.72539 (E0 0.72680: bare's progress is 0.19% of E0, so 0.23% of E
 # read as kept -0.18); bare with that step clipped to 3x or 30x its typical norm ends at
 # 0.72706-0.72707 too. Held element by element to its running RMS (earlywarn.guard.bound) it
-# kept 0.10; to 3x that RMS (outlier_clip_ratio, as every outlier of a run is now), 0.87.
+# kept 0.10; to 3x that RMS (outlier_clip_ratio: a first outlier whose loss is at its level), 0.87.
 # strict: the day it passes, this mark goes.
 _ACTS = ("skip", "clip", "lr_hold")  # the event kinds of an action that changes a healthy run's updates
 _KNOWN_WORSE = {"heavy_reward": "first heavy-tail outlier bounded: kept 0.87 on a run whose bare progress is 0.19% of E0"}

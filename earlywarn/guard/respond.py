@@ -113,21 +113,21 @@ class Responses:
         factor = decision.policy.clip_factor
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
-        each = decision.policy.clip_rms
+        rms = decision.policy.clip_rms
         if not self._dry:
-            if each is not None:
-                bound_gradients(self.statistics.layer_map.params, self.recovery.optimizer, factor, each, tag.inv_scale)
+            if rms is not None:
+                bound_gradients(self.statistics.layer_map.params, self.recovery.optimizer, factor, rms, tag.inv_scale)
             else:
                 self.statistics.scale_gradients(factor)
         why = decision.policy.clip_note or "bounded"
-        how = (f"each element held to {each:.3g}x its running RMS where the optimizer keeps one, the whole "
-               f"scaled by {factor:.3g} at least ({ratio * factor:.3g}x its typical norm)" if each is not None else
+        how = (f"each element held to {rms:.3g}x its running RMS where the optimizer keeps one, the whole "
+               f"scaled by {factor:.3g} at least ({ratio * factor:.3g}x its typical norm)" if rms is not None else
                f"scaled by {factor:.3g} to {ratio * factor:.3g}x its typical norm")
         self._emit(Event(
             step=tag.run_step, kind=Kind.CLIP, level=Level.WARNING, signal="grad_norm",
             layers=out.layers if out is not None else (),
             message=f"outlier gradient ({ratio:.3g}x its typical norm), {why}: {how} before the update",
-            values={"clip_factor": factor, "ratio": ratio, "each": each if each is not None else 0.0},
+            values={"clip_factor": factor, "ratio": ratio, "each": rms if rms is not None else 0.0},
             batch=_batch_index(tag)))
 
     # -- a skipped step -------------------------------------------------------------------------------
