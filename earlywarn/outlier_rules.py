@@ -34,8 +34,9 @@ BURST_END_DROP = 6.0
 """See ``BURST_END_LOSS``: a run ends in one step where its gradient norm falls this many times
 under both the step before's and its level in the run (the geometric mean of its norms), as a
 burst's does when clean batches come back; a new regime is learned down gradually. The norm, not
-its ratio to the typical: ~100 steps into a new regime the detector's baseline moves to it and the
-ratio falls in one step while the norm holds (a loss scaled 8x on purpose was rewound so)."""
+its ratio to the typical: ``readapt_steps`` (30) steps into a run the detector's baseline moves to
+it and the ratio falls in one step while the norm holds (a loss scaled 8x on purpose was rewound
+so). Such a run stays open, trained whole, while its norm stays within this factor of its level."""
 
 BURST_END_LOSS = 2.0
 """A run of outliers trained on (bounded) that ends in one step (``BURST_END_DROP``) with the loss
@@ -75,8 +76,12 @@ BURST_END_TRAINED = 5
 may fall at once by the run's own doing), and a burst that ends so soon did little damage."""
 
 BURST_END_WITHIN = 100
-"""See ``BURST_END_LOSS``: runs that end within this many steps of their start (the detector's
-baselines move to a level held 100 steps: after that the ratios are no longer the run's before)."""
+"""See ``BURST_END_LOSS``: runs that end within this many steps of their start. The detector takes
+a run held ``readapt_steps`` (30) steps as its new normal (no outlier any more: trained whole);
+the policy keeps such a run open while its norm holds (``BURST_END_DROP``) and judges its end
+against the loss's level before it, which it kept (the detector's has moved to the run's): a
+70-step burst of 100x targets, taken whole from its 31st step, is rewound at its end
+(``tests/test_rewind_loops.py``: 1.44x its twin's loss, where bounded through it ended 1.65x)."""
 
 BURST_AGAIN_NOTE = (f"a burst of bad batches was rewound within the last {BURST_END_WITHIN} steps: outliers now are "
                     "more of it, skipped")
@@ -95,7 +100,7 @@ Measured on it and on ``tests/test_rewind_loops.py``'s loops (a loss weight rais
 steps; a 70-step burst of 100x targets): 0.3 / 0.5 / 1 RMS kept it 0.79 / 0.84 / 0.94, the loss
 weight's loop ended 0.98 / 0.99 / 1.06x bare's loss (one whole ordinary step frees the elements
 whose gradient is mostly noise too), the burst 1.58 / 1.65 / 2.07x its twin's (one factor alone:
-1.56x; bare: 720x)."""
+1.56x; bare: 720x), with the detector re-anchoring at 100 steps then (``BURST_END_WITHIN``)."""
 
 OUTLIER_GROWTH = 1.25
 """An outlier is taken at its typical size (element by element against the optimizer's second
@@ -118,7 +123,14 @@ of bad batches takes whole, so the bound stays: it keeps a burst from inflating 
 Plain SGD's step is the gradient: held at 3x, a new stage of 40x gradients lost 22% of its
 progress (``pool_switch``). A burst is told from a regime when it ends (``BURST_END_LOSS``);
 skipping its steps instead cost healthy runs that change their loss's scale, start a new stage
-or a phase 6-21% of their steps."""
+or a phase 6-21% of their steps. The bound lasts ``readapt_steps`` (30) steps of a run: then the
+detector takes the run as its new normal and it trains whole, its end still judged
+(``BURST_END_WITHIN``). Held through (re-anchored at 100 steps), a new regime under Adam at beta2
+0.999 kept 0.84 of bare's progress (``pool_switch-23-000``: its loss did not fall in the held
+steps); a phase that ends (a loss weight raised for 45-95 steps) gains from the bound, and taken
+whole after 30 steps is trained as bare trains it (``benchmarks/rescue.py``: no phase under 0.98
+of bare's progress; one loop 1.12x bare's final loss, 0.998 of its progress:
+``tests/test_rewind_loops.py``)."""
 
 TAIL_LOSS = 2.5
 """An outlier gradient on a batch whose loss is under this many times its level is not a batch the

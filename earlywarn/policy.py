@@ -163,6 +163,9 @@ class Policy:
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
         # the run's gradient norms so far (BURST_END_DROP): (the sum of their logs, how many, the last one's log)
         self.run_level: tuple[float, int, float] = (0.0, 0, 0.0)
+        # the typical gradient norm and the loss's level before the run (NaN: not known): the
+        # detector's move to a run it takes as its new normal (readapt_steps)
+        self.run_before: tuple[float, float] = (math.nan, math.nan)
         self.burst_rewound: int | None = None  # tick of the latest rewind to before a burst (BURST_END_*)
         # a run ended with the loss damaged, watched for BURST_HEAL_STEPS: (the run's first tick, its
         # end's, the loss's level before it, the run's first loss) and the losses since
@@ -386,8 +389,13 @@ class Policy:
                 or t - self.trained_on < BURST_END_TRAINED or not n or not _size(ev) > 0.0
                 or any(a.kind is Kind.GRAD_OUTLIER for a in alerts)):
             return
-        level, first = ev.loss / ev.loss_ratio, self.lr_trend.first_loss
-        if not damaged(ev.loss_ratio, _progress_lost(ev.loss, level, first)):
+        # against the loss's level before the run: the detector's moved to a run it took as its new normal
+        level, ratio = ev.loss / ev.loss_ratio, ev.loss_ratio
+        before = self.run_before[1]
+        if before == before and before > 0.0:
+            level, ratio = before, ev.loss / before
+        first = self.lr_trend.first_loss
+        if not damaged(ratio, _progress_lost(ev.loss, level, first)):
             return
         level_in_run = logs / n
         fell = math.log(_size(ev) * BURST_END_DROP)
@@ -456,6 +464,14 @@ class Policy:
         return t - first, survived if survived == survived and survived > 0 else None
 
     @property
+    def run_unjudged(self) -> bool:
+        """A run of outliers is in progress (also once the detector took it as its new normal and
+        its steps raise no alert) or its end is watched (``BURST_HEAL_STEPS``): no copy of these
+        steps is clean. A rewind at a burst's end goes back to before it; clean copies taken
+        meanwhile would push that one out of the ring."""
+        return self.run_start is not None or self.burst_watch is not None
+
+    @property
     def watching(self) -> bool:
         """A step without alerts still needs :meth:`decide`: a learning-rate jump is being watched,
         or a non-finite streak or a run of outliers is to be ended (that needs the step's gradient
@@ -480,12 +496,16 @@ class Policy:
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
         kinds = {a.kind for a in alerts}
-        if Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio:
+        if (Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio
+                and not self._at_run_level(ev, t)):
             self._end_run()  # the gradient is back near its typical norm
         elif self.outliers and 0.0 < _size(ev) < math.inf:  # (an empty batch's 0 is no level)
             logs, n, _ = self.run_level
             log = math.log(_size(ev))
             self.run_level = (logs + log, n + 1, log)
+            if n == 0:  # the run's first step: the detector's levels are still those before it (NaN stays NaN)
+                self.run_before = (ev.grad_norm / ev.grad_ratio if ev.grad_ratio > 0.0 else math.nan,
+                                   ev.loss / ev.loss_ratio if ev.loss_ratio > 0.0 else math.nan)
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
                 self.abnormal, self.probe, self.big_applied, self.burst_watch = None, None, None, None
@@ -501,10 +521,20 @@ class Policy:
         if applied:
             self.big_applied = t  # an outlier-sized update of the run's own: what follows may be its recovery
 
+    def _at_run_level(self, ev: Evidence, t: int) -> bool:
+        """A run the detector took as its new normal (its baseline re-anchored: no outlier any more)
+        whose gradient norm is still ``outlier_clip_ratio`` times the typical norm before the run
+        or more -- where the run would go on had the baseline stayed: still the run, its end still
+        to be judged (``BURST_END_*``) within ``BURST_END_WITHIN`` steps of its start. Only where
+        the norm is known: a ratio alone falls as much where the run ends as where its baseline moved."""
+        typical = self.run_before[0]
+        return (self.run_start is not None and t - self.run_start < BURST_END_WITHIN
+                and ev.grad_norm >= self.cfg.outlier_clip_ratio * typical)  # (False on NaN)
+
     def _end_run(self) -> None:
         """No run of outliers in progress any more: every field of one back as ``__init__`` sets it."""
         self.outliers, self.climb, self.run_start, self.trained_on = 0, math.nan, None, None
-        self.run_level = (0.0, 0, 0.0)
+        self.run_level, self.run_before = (0.0, 0, 0.0), (math.nan, math.nan)
 
     def _checkpoint(self, wanted: dict[Action, str], warned_now: bool, t: int) -> list[str]:
         """Cooldown, hysteresis and rate limit of warning checkpoints; the lines of those not taken."""
@@ -558,7 +588,8 @@ class Policy:
                 "rewinds": list(self.rewinds), "outliers": self.outliers,
                 "climb": None if self.climb != self.climb else self.climb,
                 "big_applied": self.big_applied, "run_start": self.run_start, "trained_on": self.trained_on,
-                "run_level": list(self.run_level), "burst_rewound": self.burst_rewound,
+                "run_level": list(self.run_level), "run_before": [None if v != v else v for v in self.run_before],
+                "burst_rewound": self.burst_rewound,
                 "burst_watch": None if self.burst_watch is None else [*self.burst_watch, self.burst_losses], "tail": [self.tail_seen, self.tail_max, self.tail_taken,
                                                               self.tail_revoked, self.tail_loss],
                 "abnormal": self.abnormal, "probe": None if self.probe is None else list(self.probe),
@@ -584,6 +615,8 @@ class Policy:
         self.burst_losses = [] if watch is None else [float(x) for x in watch[4]]
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
+        self.run_before = tuple(math.nan if v is None else float(v)  # type: ignore[assignment]
+                                for v in d.get("run_before", (None, None)))
         seen, top, taken, revoked, tail_loss = d.get("tail", (0, 0.0, None, False, 0.0))
         self.tail_seen, self.tail_max, self.tail_loss = int(seen), float(top), float(tail_loss)
         self.tail_taken, self.tail_revoked = (None if taken is None else int(taken)), bool(revoked)

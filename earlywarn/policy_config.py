@@ -85,7 +85,8 @@ class PolicyConfig:
     spike of the model's own heals as it does under clipping, a new regime or a loss weight raised
     on purpose trains at the optimizer's steady rate (taken whole it would go further while Adam's
     second moment caught up: ~2x over 100 steps at beta2 0.999), a bad batch takes one step of
-    ordinary size. What tells a bad batch from the run's own outlier comes after it: a run of
+    ordinary size; a run held ``DetectorConfig.readapt_steps`` (30) steps is the detector's new
+    normal and trains whole from then on. What tells a bad batch from the run's own outlier comes after it: a run of
     outliers that ends in one step with the loss far above its level before it (and 1% of the
     run's progress lost), or half the run's progress lost, and is so still 30 steps later (a phase
     of other data has recovered by then), was a burst of bad batches and is rewound to before it

@@ -557,7 +557,6 @@ def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model(
         dict(end=step(0.8, 3.0), length=4),  # four steps trained on: the run's own first updates moved it
         dict(end=step(0.8, 3.0), length=10, skips=10),  # never trained on: all of it was skipped
         dict(end=step(0.8, 3.0), length=BURST_END_WITHIN + 1),  # the baselines moved meanwhile
-        dict(end=step(0.8, 3.0, norm=40.0)),  # the baseline moved to the run's level: the norm holds
     ]
     for case in not_a_burst:
         skips = case.get("skips")
@@ -579,6 +578,73 @@ def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model(
         if alerts:
             continue
         assert not p.watching, case
+
+
+def test_a_run_the_detector_took_as_its_new_normal_is_still_judged_when_it_ends():
+    """The detector re-anchors a plateau held ``readapt_steps`` (a new regime trains whole from
+    then on): the outliers stop, the ratio falls to ~1 while the norm holds at the run's level.
+    The run stays open while its norm is ``outlier_clip_ratio`` times the typical norm before it
+    or more (where it would go on had the baseline stayed), and no copy of its steps is clean:
+    ended in one step with the loss damaged against its level *before* the run (the detector's
+    has moved to the run's), and damaged still ``BURST_HEAL_STEPS`` later, it was a burst, rewound
+    to before its first outlier. A regime that holds is let go ``BURST_END_WITHIN`` steps after
+    its start; one that is learned down ends where its norm is back under 3x the typical."""
+    from earlywarn.policy import BURST_END_WITHIN, BURST_HEAL_STEPS, Evidence
+
+    def step(ratio, loss_ratio, norm, loss=None):  # the typical norm and the loss's level before the run: 1.0
+        return Evidence(ratio, loss_ratio, math.nan, loss_ratio if loss is None else loss, norm)
+
+    def regime(p, outliers=30, taken=20):
+        for s in range(100, 100 + outliers):
+            d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], step(40.0, 50.0, 40.0))
+            assert d.actions == (Action.CLIP,)
+        s = 100 + outliers
+        for s in range(s, s + taken):  # re-anchored: the ratios are the run's own level now
+            d = p.decide(s, [], step(1.0, 1.0, 40.0, loss=50.0))
+            assert not d.actions and p.watching and p.run_unjudged  # taken whole, its end still to be judged
+        return s + 1
+
+    # a burst: back to clean batches in one step, the model damaged against the level before it
+    p = Policy()
+    end = regime(p)
+    d = p.decide(end, [], step(0.02, 0.06, 0.8, loss=3.0))  # ratios against the run's level now
+    assert not d.actions and p.watching
+    for k in range(1, BURST_HEAL_STEPS + 1):
+        d = p.decide(end + k, [], step(0.02, 0.05, 0.8, loss=2.5))
+        assert p.run_unjudged or k == BURST_HEAL_STEPS  # its end watched: no copy is clean
+    assert d.actions == (Action.REWIND,) and d.rewind_triggers == ("burst_end",)
+    assert d.onset_back == end + BURST_HEAL_STEPS - 100 + 1  # back to before the run's first outlier
+    assert "still 2.5x its level" in d.reasons[0]
+
+    # the same, the loss back at its level before the run: a phase the run trained through
+    p = Policy()
+    end = regime(p)
+    assert not p.decide(end, [], step(0.02, 0.02, 0.8, loss=1.1)).actions
+    assert not p.watching and not p.run_unjudged
+
+    # a regime that holds: let go BURST_END_WITHIN steps after its first outlier
+    p = Policy()
+    end = regime(p, taken=BURST_END_WITHIN - 30)
+    assert end == 100 + BURST_END_WITHIN
+    assert not p.decide(end, [], step(1.0, 1.0, 40.0, loss=50.0)).actions
+    assert not p.watching
+
+    # learned down: the norm back under 3x the typical norm before the run, over several steps
+    p = Policy()
+    end = regime(p)
+    for k, norm in enumerate((20.0, 8.0, 3.5)):
+        assert not p.decide(end + k, [], step(norm / 40.0, 1.0, norm, loss=20.0)).actions
+        assert p.watching
+    assert not p.decide(end + 3, [], step(2.5 / 40.0, 1.0, 2.5, loss=2.0)).actions
+    assert not p.watching and not p.run_unjudged
+
+    # the policy's state carries the levels before the run across a resume
+    p = Policy()
+    end = regime(p)
+    q = Policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.run_before == p.run_before == (1.0, 1.0)
+    assert not q.decide(end, [], step(0.02, 0.06, 0.8, loss=3.0)).actions and q.watching
 
 
 def test_a_learning_rate_the_run_took_calmly_for_steps_did_not_lead_into_a_loss_rise():

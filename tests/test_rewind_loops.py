@@ -505,24 +505,33 @@ def test_a_loss_weight_ramped_up_trains_as_without_earlywarn_and_a_burst_is_boun
     ew.close()
 
 
-def test_a_long_burst_is_bounded_through_and_a_loss_weight_phase_trains_as_without_earlywarn(tmp_path):
-    # 70 corrupt batches (targets x100), taken bounded: Adam's step is the same size, but its
-    # second moment never grows 1e6x, so clean batches train it back within the run (grown with the
-    # burst, the bound let it through and the run ended as bare does, 0.11 -> 81).
+def test_a_long_burst_is_rewound_at_its_end_and_a_loss_weight_phase_trains_as_without_earlywarn(tmp_path):
+    # 70 corrupt batches (targets x100): bounded for the detector's readapt_steps (30), then its
+    # new normal, taken whole as bare takes it (bare ends 0.11 -> 81); clean batches back, the loss
+    # still far above its level before the burst 30 steps later: rewound to before it, its batches
+    # quarantined, and the run ends near its twin (bounded all through, it ended 1.65x the twin's)
     burst = lambda it: 100.0 if 150 <= it < 220 else 1.0
     twin, _ = _ramped_loop(False, tmp_path, lambda it: 1.0, steps=400)
     bare, _ = _ramped_loop(False, tmp_path, lambda it: 1.0, burst, steps=400)
     watched, ew = _ramped_loop(True, tmp_path, lambda it: 1.0, burst, steps=400)
-    assert ew.counters["skipped_steps"] == 0 and not [e for e in ew.events if e.level is Level.CRITICAL]
-    assert bare > 100 * twin and watched <= 1.8 * twin, (bare, watched, twin)
+    assert ew.counters["skipped_steps"] == 0 and ew.counters["rewinds"] == 1
+    (rewind,) = [e for e in ew.events if e.kind is Kind.REWIND]
+    assert rewind.step == 220 + 30 and "a run of 70 steps" in rewind.message and "its level before the run" in rewind.message
+    assert rewind.values["lost_steps"] > 250 - 150  # to a copy from before the burst: none of its steps was clean
+    assert bare > 100 * twin and watched <= 1.6 * twin, (bare, watched, twin)
     ew.close()
     # a loss weight raised 50x for a 70-step phase (an auxiliary objective's): the same shape of
-    # run, trained through as the bare loop does -- never skipped, never rewound
+    # run, never skipped, never rewound, no critical. Taken whole from its 31st step it ends 1.12x
+    # bare's final loss (bounded all through it ended 0.99x; a phase is told from a lasting regime
+    # only when it ends): 0.998 of bare's progress from the loss at the start, the rescue
+    # benchmark's harm line is 0.98 (``benchmarks/rescue.py``'s phase family: none under it)
     phase = lambda it: 50.0 if 150 <= it < 220 else 1.0
+    e0, _ = _ramped_loop(False, tmp_path, phase, steps=0)
     bare, _ = _ramped_loop(False, tmp_path, phase, steps=400)
     watched, ew = _ramped_loop(True, tmp_path, phase, steps=400)
     assert ew.counters["rewinds"] == 0 and ew.counters["skipped_steps"] == 0
-    assert not [e for e in ew.events if e.level is Level.CRITICAL] and watched <= 1.02 * bare, (watched, bare)
+    assert not [e for e in ew.events if e.level is Level.CRITICAL]
+    assert (e0 - watched) / (e0 - bare) >= 0.99 and watched <= 1.15 * bare, (e0, watched, bare)
     ew.close()
 
 

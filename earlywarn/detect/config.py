@@ -231,9 +231,13 @@ class DetectorConfig:
     made it (the CUSUMs restart from zero), so a second one needs the rise to go on: a run that
     keeps thrashing is reminded at most every ``rearm_steps`` steps, a recovered one is not."""
 
-    readapt_steps: int = 100
+    readapt_steps: int = 30
     """A signal elevated this many steps in a row without being non-finite is taken as the new
-    normal (its baseline is re-anchored); a warning was raised long before."""
+    normal (its baseline is re-anchored); a warning was raised long before. For the gradient this
+    is where a run of outliers stops being bounded and trains whole: a loss whose scale changed
+    on purpose or a new data stage (``benchmarks/rescue.py``, six seed bases: at 100, regimes
+    under Adam kept down to 0.84 of bare's progress; at 30, none under 0.98). Its end is still
+    judged against the level before it (``earlywarn.outlier_rules.BURST_END_WITHIN``)."""
 
     overflow_steps: int = 8
     """Consecutive loss-scaler overflow steps after which the overflow is ``critical`` (the scale

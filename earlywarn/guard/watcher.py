@@ -508,7 +508,8 @@ class Watcher:
         elevated = self._detector.run_score >= self._detector.cfg.spike_z
         ep = self.episode = self.episode.after(tag.step, decision.alerts, elevated=elevated)
         self.counters["steps"] = self.step
-        self.recovery.after_step(tag.step, clean=ep.clean(tag.step) and not decision.skip, building=ep.building(tag.step))
+        clean = ep.clean(tag.step) and not decision.skip and not self._policy.run_unjudged
+        self.recovery.after_step(tag.step, clean=clean, building=ep.building(tag.step))
         self.telemetry.log_metrics(tag.run_step, decision.obs, self._detector.score)  # after recovery: its checkpoint or repair counts
 
     def _restore(self, decision: Decision, tag: StepTag) -> None:

@@ -71,7 +71,9 @@ class RecoveryConfig:
     """A snapshot is clean when no warning-or-worse alert (an incident) came within this many
     steps before it; info spikes that recovered and bad batches that were skipped do not count.
     The steps after a repair or a rewind are unclean for this long too, and a rewind has *held*
-    once the run trained this many steps past its incident."""
+    once the run trained this many steps past its incident. So are the steps of a run of outlier
+    gradients until its end is judged, also where the detector took it as its new normal and
+    they raise no alert (``earlywarn.policy.Policy.run_unjudged``)."""
     state_check_every: int | None = None
     """Every this many steps the optimizer's state is checked on the device (one fused norm over
     it, read with the step's statistics: no extra host read), and a poisoned moment is repaired
