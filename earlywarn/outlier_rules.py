@@ -36,7 +36,10 @@ under both the step before's and its level in the run (the geometric mean of its
 burst's does when clean batches come back; a new regime is learned down gradually. The norm, not
 its ratio to the typical: ``readapt_steps`` (30) steps into a run the detector's baseline moves to
 it and the ratio falls in one step while the norm holds (a loss scaled 8x on purpose was rewound
-so). Such a run stays open, trained whole, while its norm stays within this factor of its level."""
+so). Such a run stays open, trained whole, while its norm is ``outlier_clip_ratio`` times the
+typical norm before it or more. An end is confirmed the step after: an outlier again there means
+a one-step dip inside the run (a batch of a new phase's data the model already fits), and the run
+goes on (``phase-307-004``, healthy, was rewound with a CRITICAL so)."""
 
 BURST_END_LOSS = 2.0
 """A run of outliers trained on (bounded) that ends in one step (``BURST_END_DROP``) with the loss
@@ -78,10 +81,11 @@ may fall at once by the run's own doing), and a burst that ends so soon did litt
 BURST_END_WITHIN = 100
 """See ``BURST_END_LOSS``: runs that end within this many steps of their start. The detector takes
 a run held ``readapt_steps`` (30) steps as its new normal (no outlier any more: trained whole);
-the policy keeps such a run open while its norm holds (``BURST_END_DROP``) and judges its end
-against the loss's level before it, which it kept (the detector's has moved to the run's): a
-70-step burst of 100x targets, taken whole from its 31st step, is rewound at its end
-(``tests/test_rewind_loops.py``: 1.44x its twin's loss, where bounded through it ended 1.65x)."""
+the policy keeps such a run open while its norm holds (``BURST_END_DROP``: 3x the typical norm
+before it) and judges its end against the loss's level before it, which it kept (the
+detector's has moved to the run's): a 70-step burst of 100x targets, taken whole from its 31st
+step, is rewound at its end (``tests/test_rewind_loops.py``: 1.44x its twin's loss, where bounded
+through it ended 1.65x)."""
 
 BURST_AGAIN_NOTE = (f"a burst of bad batches was rewound within the last {BURST_END_WITHIN} steps: outliers now are "
                     "more of it, skipped")

@@ -275,7 +275,7 @@ class Policy:
             hold_why = (f"the attention logits grew to {grown.values.get('value', math.nan):.3g} at {rate:.3g} "
                         "(attention-logit growth)")
             reasons.append(f"learning rate held at {hold:.3g}: {hold_why}")
-        if self.trained_on is not None and Action.REWIND not in wanted:
+        if self.trained_on is not None and self.burst_watch is None and Action.REWIND not in wanted:
             self._burst_end(alerts, evidence, t)
         if self.burst_watch is not None and Action.REWIND not in wanted:
             burst_back, why = self._burst_healed(evidence, t)
@@ -383,7 +383,8 @@ class Policy:
         ``BURST_END_LOST`` of the run's progress lost), trained on for ``BURST_END_TRAINED`` steps
         or more and within ``BURST_END_WITHIN`` steps of its start (the detector's baselines are
         still the run's before): a burst of bad batches that damaged the model, or a phase of other
-        data the run recovers from. Watched for ``BURST_HEAL_STEPS`` (:meth:`_burst_healed`)."""
+        data the run recovers from. Watched for ``BURST_HEAL_STEPS`` (:meth:`_burst_healed`); the run
+        itself is ended the step after, unless an outlier there shows the end was a dip (:meth:`_after`)."""
         start, (logs, n, last) = self.run_start, self.run_level
         if (start is None or self.trained_on is None or t - start >= BURST_END_WITHIN
                 or t - self.trained_on < BURST_END_TRAINED or not n or not _size(ev) > 0.0
@@ -496,9 +497,14 @@ class Policy:
     def _after(self, actions: tuple[Action, ...], alerts: list[Event], t: int, bad: bool, ev: Evidence) -> None:
         """What the update of this step (when it is applied) leaves for later judgements."""
         kinds = {a.kind for a in alerts}
+        watch = self.burst_watch
+        if watch is not None and watch[1] == t - 1 and self.run_start is not None and Kind.GRAD_OUTLIER in kinds:
+            # an outlier again the step after the run's end: that end was a dip inside the run, which goes on
+            self.burst_watch, self.burst_losses = None, []
         if (Kind.GRAD_OUTLIER not in kinds and not ev.grad_ratio >= self.cfg.outlier_clip_ratio
                 and not self._at_run_level(ev, t)):
-            self._end_run()  # the gradient is back near its typical norm
+            if watch is None or watch[1] != t:  # (a run's end judged at this step: confirmed at the next)
+                self._end_run()  # the gradient is back near its typical norm
         elif self.outliers and 0.0 < _size(ev) < math.inf:  # (an empty batch's 0 is no level)
             logs, n, _ = self.run_level
             log = math.log(_size(ev))

@@ -580,6 +580,42 @@ def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model(
         assert not p.watching, case
 
 
+def test_a_one_step_dip_inside_a_run_of_outliers_is_not_its_end():
+    """A run's end is confirmed the step after: an outlier again there (one batch of a new phase's
+    data the model already fits, its gradient 20x under the run's) means the run goes on, its
+    start and its level kept; its real end is judged as any other (``phase-307-004`` was rewound
+    with a CRITICAL so, the gradient back at its level the step after the dip)."""
+    from earlywarn.policy import BURST_HEAL_STEPS, Evidence
+
+    def step(ratio, loss):  # the loss's level and the typical norm before the run: 1.0
+        return Evidence(ratio, loss, math.nan, loss, ratio)
+
+    def outlier(p, s):
+        return p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], step(40.0, 50.0))
+
+    p = Policy()
+    for s in range(100, 110):
+        assert outlier(p, s).actions == (Action.CLIP,)
+    assert not p.decide(110, [], step(0.8, 3.0)).actions  # a dip: judged as an end, watched
+    assert p.watching and p.burst_watch is not None
+    assert outlier(p, 111).actions == (Action.CLIP,)  # the run again: the dip was not its end
+    assert p.burst_watch is None and p.outliers == 11 and p.run_start == 1  # (ticks: the first decide is 1)
+    for s in range(112, 120):
+        outlier(p, s)
+    d = p.decide(120, [], step(0.8, 3.0))  # its real end, the loss damaged and so it stays
+    for k in range(1, BURST_HEAL_STEPS + 1):
+        d = p.decide(120 + k, [], step(1.0, 2.5))
+    assert d.actions == (Action.REWIND,) and d.onset_back == 120 + BURST_HEAL_STEPS - 100 + 1  # before the run's start
+
+    # an end the next step confirms: watched from the step it ended
+    p = Policy()
+    for s in range(100, 110):
+        outlier(p, s)
+    p.decide(110, [], step(0.8, 3.0))
+    p.decide(111, [], step(1.0, 2.5))
+    assert p.burst_watch is not None and p.burst_watch[1] == 11 and p.run_start is None  # (tick 11: step 110)
+
+
 def test_a_run_the_detector_took_as_its_new_normal_is_still_judged_when_it_ends():
     """The detector re-anchors a plateau held ``readapt_steps`` (a new regime trains whole from
     then on): the outliers stop, the ratio falls to ~1 while the norm holds at the run's level.
