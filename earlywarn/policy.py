@@ -621,8 +621,8 @@ class Policy:
         self.burst_losses = [] if watch is None else [float(x) for x in watch[4]]
         logs, n, last = d.get("run_level", (0.0, 0, 0.0))
         self.run_level = (float(logs), int(n), float(last))
-        self.run_before = tuple(math.nan if v is None else float(v)  # type: ignore[assignment]
-                                for v in d.get("run_before", (None, None)))
+        typical, level = d.get("run_before", (None, None))
+        self.run_before = (math.nan if typical is None else float(typical), math.nan if level is None else float(level))
         seen, top, taken, revoked, tail_loss = d.get("tail", (0, 0.0, None, False, 0.0))
         self.tail_seen, self.tail_max, self.tail_loss = int(seen), float(top), float(tail_loss)
         self.tail_taken, self.tail_revoked = (None if taken is None else int(taken)), bool(revoked)

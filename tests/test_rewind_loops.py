@@ -505,7 +505,7 @@ def test_a_loss_weight_ramped_up_trains_as_without_earlywarn_and_a_burst_is_boun
     ew.close()
 
 
-def test_a_long_burst_is_rewound_at_its_end_and_a_loss_weight_phase_trains_as_without_earlywarn(tmp_path):
+def test_a_long_burst_is_rewound_at_its_end_and_a_loss_weight_phase_keeps_bare_s_progress(tmp_path):
     # 70 corrupt batches (targets x100): bounded for the detector's readapt_steps (30), then its
     # new normal, taken whole as bare takes it (bare ends 0.11 -> 81); clean batches back, the loss
     # still far above its level before the burst 30 steps later: rewound to before it, its batches
