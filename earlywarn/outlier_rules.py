@@ -159,6 +159,11 @@ TAIL_DAMAGE = 3.0
 TAIL_WATCH = 3
 """See ``TAIL_DAMAGE``."""
 
+TAIL_RECALL = 50
+"""The first outlier of a run with the loss at its level is bounded (it may be a gradient corrupted
+after the loss); what the bound took off it is kept this many steps: the next such outlier taken
+as the run's heavy tail (``TAIL_SEEN``) takes it too, so that the tail's first member is not lost."""
+
 TAIL_NOTE = "the run's own heavy tail (outliers with the loss at its level seen before, none damaged the run), bounded"
 
 TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "

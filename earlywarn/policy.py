@@ -21,7 +21,7 @@ from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, impor
     BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
     BURST_HEAL_STEPS, HEAL_MEAN, RUN_ELEMENT_RMS,
     CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
-    TAIL_LOSS, TAIL_NOTE, TAIL_SEEN, TAIL_WATCH, damaged, outlier_note)
+    TAIL_LOSS, TAIL_NOTE, TAIL_RECALL, TAIL_SEEN, TAIL_WATCH, damaged, outlier_note)
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
@@ -106,6 +106,13 @@ class PolicyDecision:
     """Scale this step's gradients by this before its update (a persistent outlier, clipped)."""
     clip_note: str = ""
     """Why an outlier's step is clipped (or skipped), when it is not one more of a run of them."""
+    hold_rest: bool = False
+    """Keep what this step's bound takes off its gradient (the run's first outlier with the loss at
+    its level: a rare large gradient of the run's own, or a corrupted one): it is added to the
+    gradient of the next such outlier taken as the run's heavy tail (``add_held``), else let go."""
+    add_held: bool = False
+    """Add the rest kept at ``hold_rest`` to this step's gradient before its update: the outlier it
+    came from was the first of the run's heavy tail."""
     clip_rms: float | None = None
     """The clip bounds each element of the gradient: to at most this many times its running RMS
     where the optimizer keeps one, never under ``clip_factor`` (:mod:`earlywarn.guard.bound`).
@@ -158,6 +165,9 @@ class Policy:
         # the run's heavy tail (TAIL_LOSS): outliers with the loss at its level seen, the largest, the
         # tick the latest was taken, and whether one taken was followed by damage (never again)
         self.tail_seen, self.tail_max, self.tail_taken, self.tail_revoked = 0, 0.0, None, False
+        # (tick, ratio) of the outlier whose bounded rest the guard keeps (TAIL_RECALL; not in
+        # state_dict: the rest itself is not saved)
+        self.tail_held: tuple[int, float] | None = None
         self.tail_loss = 0.0  # the highest loss ratio among the tail's outliers
         self.run_start: int | None = None  # tick of the run's first outlier
         self.trained_on: int | None = None  # tick the run, past the skip budget, was first trained on (BURST_END_*)
@@ -200,6 +210,9 @@ class Policy:
         self.tick += 1
         t = self.tick
         alerts = list(alerts)
+        if self.tail_held is not None and (t - self.tail_held[0] > TAIL_RECALL or self.tail_revoked):
+            self.tail_held = None
+        held = self.tail_held
         wanted: dict[Action, str] = {}
         reasons: list[str] = []
         triggers: list[str] = []
@@ -309,8 +322,20 @@ class Policy:
             lr_hold=hold, lr_hold_why=hold_why if hold is not None else "",
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
             clip_rms=rms if Action.CLIP in wanted and not restores else None,
+            hold_rest=self.tail_held is not None and self.tail_held[0] == t and Action.CLIP in wanted and not restores,
+            add_held=self._rest_joins(held, alerts, t) and not restores and not any(
+                a in wanted for a in (Action.SKIP, Action.HALT)),
             clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores
             else "")
+
+    def _rest_joins(self, held: tuple[int, float] | None, alerts: list[Event], t: int) -> bool:
+        """The rest kept from the first outlier with the loss at its level goes with the next one
+        taken as the run's heavy tail (this step), where the first was of the tail's size: a
+        gradient corrupted 1e4x, then a rare reward, is no tail of its own."""
+        if held is None or self.tail_taken != t:
+            return False
+        ratio = next((a.values.get("ratio", math.nan) for a in alerts if a.kind is Kind.GRAD_OUTLIER), math.nan)
+        return held[1] <= TAIL_BOUND * ratio  # (False on NaN)
 
     # -- the rules that read more than one alert -----------------------------------------------
     def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str, float | None]:
@@ -341,7 +366,7 @@ class Policy:
             self.tail_loss = max(self.tail_loss, loss)
             if known:
                 cap = TAIL_BOUND * self.tail_max
-                self.tail_taken, self.tail_max = t, max(self.tail_max, min(ratio, cap))
+                self.tail_taken, self.tail_max, self.tail_held = t, max(self.tail_max, min(ratio, cap)), None
                 return (Action.NONE, None, TAIL_NOTE, None) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE, None)
             self.tail_seen += 1
             self.tail_max = max(self.tail_max, ratio)
@@ -371,6 +396,8 @@ class Policy:
             bound = self.cfg.outlier_clip_ratio
         if not (ratio == ratio and ratio > bound):
             return Action.NONE, None, "", None
+        if k == 0 and self.scale_free and loss < TAIL_LOSS and not self.tail_revoked:
+            self.tail_held = (t, ratio)  # the rest kept: it may be the run's heavy tail
         # (the rest of a run: each element may take half an ordinary step, so that none is all but frozen)
         return (Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free),
                 bound if k == 0 else RUN_ELEMENT_RMS if self.scale_free else None)
@@ -515,6 +542,7 @@ class Policy:
         if bad or any(a in actions for a in (Action.SKIP, Action.REWIND, Action.REPAIR, Action.HALT)):
             if Action.REWIND in actions:  # the trajectory after it is undone
                 self.abnormal, self.probe, self.big_applied, self.burst_watch = None, None, None, None
+                self.tail_held = None
                 self._end_run()
                 self.lrs.clear()
             return

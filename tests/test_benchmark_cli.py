@@ -65,3 +65,20 @@ def test_natural_quick_prints_every_table_and_computes_its_numbers(tmp_path):
         assert any(k.startswith("attn_max/") for k in sig) and any(k.startswith("update/") for k in sig)
     ew = [r for r in data["results"] if r["method"] == "earlywarn"]
     assert all(set(e) >= {"step", "kind", "level", "signal", "layers"} for r in ew for e in r["events"])
+
+
+def test_the_jitter_control_is_bare_but_for_the_one_step_it_scales():
+    """``benchmarks/rescue_jitter.py``: the control behind "a run earlywarn leaves worse was harmed"
+    (docs/benchmarks.md) -- bare at eps 0, and a touch at step ``at`` that moves the result."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import rescue_harness
+    import rescue_jitter
+    from rescue_families import all_configs
+
+    config = all_configs(0, ["heavy_reward"], n=1)[0]
+    config["steps"] = 60
+    bare = rescue_harness.run_one(config, "bare")
+    rescue_jitter._register(at=5, eps=0.0)
+    assert rescue_harness.run_one(config, "jitter")["E"] == bare["E"]
+    rescue_jitter._register(at=5, eps=10.0)
+    assert rescue_harness.run_one(config, "jitter")["E"] != bare["E"]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from earlywarn.guard.bound import bound_gradients
+from earlywarn.guard.bound import Rest, bound_gradients
 
 
 def _stepped(opt_cls, **kw):
@@ -234,3 +234,73 @@ def test_a_new_regime_held_at_3x_moves_as_far_as_taken_whole_only_where_the_seco
     ratio = travelled(False) / travelled(True)
     lo, hi = whole_over_held
     assert lo <= ratio <= hi
+
+
+def test_the_rest_a_bound_takes_off_is_added_whole_to_a_later_step():
+    p, opt = _stepped(torch.optim.Adam, lr=1e-3)
+    g = torch.randn(1000)
+    g[:10] *= 1e4
+    p.grad = g.clone()
+    rest = Rest([p])
+    bound_gradients([p], opt, 1e-6, 3.0)
+    bounded = p.grad.clone()
+    rest.taken()
+    g2 = torch.randn(1000)
+    p.grad = g2.clone()
+    rest.add_to_gradients()
+    assert torch.allclose(p.grad, g2 + (g - bounded))
+    p.grad = None
+    rest.add_to_gradients()  # a parameter without a gradient now: left out
+    assert p.grad is None
+
+
+def test_a_rest_taken_under_one_loss_scale_is_added_under_another():
+    """A fused optimizer under GradScaler sees its gradients still scaled (it unscales them itself);
+    the scale may change between the two steps: the rest is kept unscaled."""
+    p, opt = _stepped(torch.optim.Adam, lr=1e-3)
+    g = torch.randn(1000)
+    g[:10] *= 1e4
+    p.grad = g * 1024.0
+    rest = Rest([p])
+    inv = torch.tensor(1 / 1024.0, dtype=torch.float64)
+    bound_gradients([p], opt, 1e-6, 3.0, inv_scale=inv)
+    taken_off = (g * 1024.0 - p.grad) / 1024.0
+    rest.taken(inv)
+    p.grad = torch.zeros(1000)
+    rest.add_to_gradients(torch.tensor(1 / 512.0, dtype=torch.float64))
+    assert torch.allclose(p.grad, taken_off * 512.0, rtol=1e-5)
+
+
+def test_a_watched_run_adds_its_first_rare_large_gradient_s_rest_to_the_next():
+    """End to end under ``watch()``: isolated outliers with the loss at its level (a policy
+    gradient's rare rewards). The first is bounded; the second, taken as the run's heavy tail,
+    reaches the optimizer with the first's rest added: the two together as bare Adam got them."""
+    import earlywarn
+
+    torch.manual_seed(0)
+    n = 1000
+    model = torch.nn.Module()
+    model.p = p = torch.nn.Parameter(torch.zeros(n))
+    opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.95))
+    applied, at = {}, [0]
+    opt.register_step_pre_hook(lambda o, a, k: applied.__setitem__(at[0], p.grad.detach().clone()))
+    ew = earlywarn.watch(model, opt, sinks=[])
+    gen = torch.Generator().manual_seed(1)
+    grads = {}
+    for s in range(120):
+        at[0] = s
+        x = 1e-3 * torch.randn(n, generator=gen)
+        if s in (100, 110):
+            x = x + 0.5 * torch.randn(n, generator=gen)
+        grads[s] = x
+        opt.zero_grad(set_to_none=True)
+        (p * x).sum().backward()
+        ew.report_loss(torch.tensor(1.0))  # the loss at its level
+        opt.step()
+    ew.close()
+    clips = [e for e in ew.events if str(e.kind) == "clip"]
+    assert [e.step for e in clips] == [100] and "kept" in clips[0].message
+    rest = grads[100] - applied[100]
+    assert rest.norm() > 0.5 * grads[100].norm()  # the bound took most of it
+    assert torch.allclose(applied[110], grads[110] + rest)
+    assert all(torch.equal(applied[s], grads[s]) for s in range(101, 110))

@@ -616,6 +616,34 @@ def test_a_one_step_dip_inside_a_run_of_outliers_is_not_its_end():
     assert p.burst_watch is not None and p.burst_watch[1] == 11 and p.run_start is None  # (tick 11: step 110)
 
 
+@pytest.mark.parametrize("after_end", ["elevated", "at_run_level"])
+def test_an_end_followed_by_a_large_gradient_without_an_outlier_is_still_judged(after_end):
+    """Only an outlier the step after a run's end makes that end a dip. A gradient still
+    ``outlier_clip_ratio`` times its typical norm without one is what clean batches give a model
+    a burst damaged: its end stays watched. (Cancelling the watch on that too, the measured
+    alternative, left ``burst-0-007-L80`` -- 80 steps of scaled, shuffled batches under RMSprop --
+    unrewound at 0.00 of its twin's progress, against 0.99 rewound; nothing else moved over the
+    six seed bases.)"""
+    from earlywarn.policy import Evidence
+
+    def step(ratio, loss, norm=math.nan):  # the loss's level and the typical norm before the run: 1.0
+        return Evidence(ratio, loss, math.nan, loss, ratio if norm != norm else norm)
+
+    p = Policy()
+    for s in range(100, 110):
+        d = p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=40.0, loss_ratio=50.0, steps=1)], step(40.0, 50.0))
+        assert d.actions == (Action.CLIP,)
+    assert not p.decide(110, [], step(0.8, 3.0)).actions  # the end, the loss damaged: watched
+    watch = p.burst_watch
+    assert watch is not None
+    ratio = p.cfg.outlier_clip_ratio
+    if after_end == "elevated":  # over the clip ratio, no alert
+        p.decide(111, [], step(ratio * 1.5, 3.0))
+    else:  # the detector's ratio ~1, the norm still at the run's level
+        p.decide(111, [], step(1.0, 3.0, norm=40.0))
+    assert p.burst_watch == watch  # still watched from the step it ended
+
+
 def test_a_run_the_detector_took_as_its_new_normal_is_still_judged_when_it_ends():
     """The detector re-anchors a plateau held ``readapt_steps`` (a new regime trains whole from
     then on): the outliers stop, the ratio falls to ~1 while the norm holds at the run's level.
@@ -803,6 +831,16 @@ def test_a_rise_the_loss_gains_from_and_a_rise_to_rates_the_run_took_before_are_
     assert all(d.lr_hold is None for d in _lrs_losses(Policy(), tri, flat).values())
 
 
+def _tail_step(p, s, ratio=None, loss=1.0):
+    """One step of a heavy-tail run: an outlier ``ratio`` times the typical norm, its loss
+    ``loss`` times its level (``ratio`` None: an ordinary step)."""
+    from earlywarn.policy import Evidence
+
+    if ratio is None:
+        return p.decide(s, [], Evidence(1.0, loss))
+    return p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=loss, steps=1)], Evidence(ratio, loss))
+
+
 def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_once_seen():
     """A policy gradient's rare rewards: isolated outliers thousands of times the typical norm, the
     loss near its level. The first is taken bounded, element by element to 3x its RMS (a gradient
@@ -810,13 +848,9 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
     a run whose tail did damage: to its typical norm); from the second on they are taken, bounded
     to TAIL_BOUND x the largest seen. Corrupt data raises the loss with the gradient: bounded as any outlier. A tail
     outlier followed by damage to the loss ends the rule for the run."""
-    from earlywarn.policy import TAIL_BOUND, Evidence
+    from earlywarn.policy import TAIL_BOUND
 
-    def step(p, s, ratio=None, loss=1.0):
-        if ratio is None:
-            return p.decide(s, [], Evidence(1.0, loss))
-        return p.decide(s, [ev(s, Kind.GRAD_OUTLIER, ratio=ratio, loss_ratio=loss, steps=1)], Evidence(ratio, loss))
-
+    step = _tail_step
     p = Policy()
     d = step(p, 10, 5000.0, 1.4)
     assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 5000.0)  # the first: bounded
@@ -844,3 +878,39 @@ def test_rare_outliers_with_the_loss_at_its_level_are_the_runs_own_heavy_tail_on
     d = step(p, 61, loss=4.0)
     assert p.tail_revoked and any("bounded again" in r for r in d.reasons)
     assert step(p, 70, 5000.0, 1.0).clip_factor == pytest.approx(1.0 / 5000.0)
+
+
+def test_the_rest_of_the_first_outlier_at_its_level_goes_with_the_run_s_heavy_tail():
+    """The first outlier of a run with the loss at its level is bounded, and what the bound takes
+    off is kept (``hold_rest``): the next such outlier within ``TAIL_RECALL`` steps, taken as the
+    run's heavy tail, takes it too (``add_held``) -- a policy gradient's first rare reward is not
+    lost. Later, a corrupt batch (its loss far up), plain SGD (no element bound) or a skip keep none."""
+    from earlywarn.policy import TAIL_RECALL
+
+    step = _tail_step
+    p = Policy()
+    d = step(p, 10, 5000.0, 1.4)
+    assert d.actions == (Action.CLIP,) and d.hold_rest and not d.add_held
+    step(p, 11)
+    d = step(p, 20, 6000.0, 0.8)  # the run's tail: taken, with the rest
+    assert not d.actions and d.add_held and not d.hold_rest
+    step(p, 21)
+    assert not step(p, 30, 5000.0, 1.0).add_held  # taken once only
+
+    p = Policy()  # no second within TAIL_RECALL steps: let go
+    step(p, 10, 5000.0, 1.4)
+    for s in range(11, 12 + TAIL_RECALL):
+        step(p, s)
+    assert p.tail_held is None and not step(p, 12 + TAIL_RECALL, 6000.0, 1.0).add_held
+
+    p = Policy()  # a first outlier far beyond the tail's size (a gradient corrupted 1e4x): its rest let go
+    step(p, 10, 5e6, 1.0)
+    step(p, 11)
+    d = step(p, 20, 6000.0, 1.0)
+    assert not d.actions and not d.add_held and p.tail_held is None
+
+    # a corrupt batch (the loss far up with it) and plain SGD's outliers keep no rest
+    assert not step(Policy(), 10, 80.0, 40.0).hold_rest
+    assert not step(Policy(scale_free=False), 10, 5000.0, 1.0).hold_rest
+    p = Policy(PolicyConfig(on_grad_outlier="skip"))
+    assert step(p, 10, 5000.0, 1.0).actions == (Action.SKIP,) and p.tail_held is None

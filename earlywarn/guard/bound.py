@@ -19,7 +19,10 @@ rare reward keeps a tenth to a half of what bare Adam takes from it. Measured on
 3, 6, 10 RMS kept a policy gradient's runs 0.10 / 0.18 / 0.84 / 0.92 / 0.96 of bare's progress at
 the worst, the huge finite gradients bare dies of 0.999 / 0.992 / 0.981 / 0.930 / 0.855 (3 is the
 largest that rescues them all), and at 3 a bad shard's corrupt batches (their loss far up) one run
-fewer (0.979 -> 0.941): hence 1 there.
+fewer (0.979 -> 0.941): hence 1 there. What the bound of 3 takes off such a first outlier is
+kept (:class:`Rest`) and added to the next one the policy takes as the run's heavy tail
+(``outlier_rules.TAIL_RECALL``): a rare reward that recurs is then not lost, and a corrupted
+gradient, which does not, is let go.
 
 Where the optimizer keeps a running second moment of the gradient (Adam and its kin:
 ``exp_avg_sq``; RMSprop: ``square_avg``), a lone outlier's elements are held to ``bound`` times
@@ -37,6 +40,61 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+
+from earlywarn.recover.budget import available_memory
+
+REST_ROOM = 4
+"""A rest is kept where its copy takes at most 1/this of the memory free where the gradients
+live (the device's, the host's available RAM): a safety net never runs a run out of memory."""
+
+
+class Rest:
+    """What a bound takes off one step's gradients, kept to be added to a later step's: made
+    before the bound (a copy of each gradient, on its device), :meth:`taken` after it. Kept
+    unscaled: gradients a fused optimizer will unscale itself carry the step's loss scale, which
+    may differ between the two steps (``inv_scale``: 1 / that scale, a device scalar)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.params = [p for p in params if p.grad is not None]
+        self.rest = [p.grad.clone() for p in self.params]  # type: ignore[union-attr]
+
+    @staticmethod
+    def fits(params: Iterable[torch.nn.Parameter]) -> bool:
+        """Room for a copy of the gradients where they live (``REST_ROOM``): on the CPU and CUDA,
+        read once on the rare step that keeps one; elsewhere (memory unknown) none is kept."""
+        size: dict[torch.device, int] = {}
+        for p in params:
+            g = p.grad
+            if g is not None:
+                size[g.device] = size.get(g.device, 0) + g.numel() * g.element_size()
+        for device, n in size.items():
+            if device.type == "cuda":
+                free = torch.cuda.mem_get_info(device)[0]
+            elif device.type == "cpu":
+                free = available_memory()
+            else:
+                return False
+            if free is None or n * REST_ROOM > free:
+                return False
+        return True
+
+    def taken(self, inv_scale: torch.Tensor | None = None) -> "Rest":
+        """The bound is done: what it took off each gradient (no host read)."""
+        if self.rest:
+            torch._foreach_sub_(self.rest, [p.grad for p in self.params])
+            if inv_scale is not None:
+                torch._foreach_mul_(self.rest, inv_scale)
+        return self
+
+    def add_to_gradients(self, inv_scale: torch.Tensor | None = None) -> None:
+        """Add it to the gradients about to be applied (a parameter without one now: left out)."""
+        pairs = [(p.grad, r) for p, r in zip(self.params, self.rest) if p.grad is not None and p.grad.shape == r.shape]
+        if not pairs:
+            return
+        rest = [r for _, r in pairs]
+        if inv_scale is not None:
+            rest = torch._foreach_div(rest, inv_scale)
+        torch._foreach_add_([g for g, _ in pairs], rest)
 
 
 def bound_gradients(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer, factor: float,

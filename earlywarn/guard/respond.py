@@ -16,12 +16,12 @@ from typing import Any, Callable, NoReturn
 import numpy as np
 
 from earlywarn.events import DRY_RUN, Event, Kind, Level
-from earlywarn.guard.bound import bound_gradients
+from earlywarn.guard.bound import Rest, bound_gradients
 from earlywarn.guard.episode import Episode, onset
 from earlywarn.guard.judge import Decision
 from earlywarn.guard.statistics import SQ_OVERFLOW, StepStatistics, StepTag
 from earlywarn.guard.telemetry import Telemetry
-from earlywarn.policy import Action
+from earlywarn.policy import TAIL_RECALL, Action
 from earlywarn.recover import Halt, Recovery, RewindReport
 
 
@@ -37,6 +37,9 @@ class Responses:
         self.scaler = scaler
         self._flush = flush
         self._dry = False  # saying what a dry run's decision would have done (_would)
+        # what the bound took off a lone outlier with the loss at its level (PolicyDecision.hold_rest),
+        # until the run's heavy tail takes it (add_held) or it is let go (drop_held)
+        self._held: Rest | None = None
 
     def _emit(self, event: Event) -> None:
         if self._dry:
@@ -115,11 +118,18 @@ class Responses:
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
         rms = decision.policy.clip_rms
         if not self._dry:
+            params = self.statistics.layer_map.params
+            rest = Rest(params) if decision.policy.hold_rest and Rest.fits(params) else None
             if rms is not None:
-                bound_gradients(self.statistics.layer_map.params, self.recovery.optimizer, factor, rms, tag.inv_scale)
+                bound_gradients(params, self.recovery.optimizer, factor, rms, tag.inv_scale)
             else:
                 self.statistics.scale_gradients(factor)
+            if rest is not None:
+                self._held = rest.taken(tag.inv_scale)
         why = decision.policy.clip_note or "bounded"
+        if self._held is not None and decision.policy.hold_rest:
+            why += (f"; what the bound takes off is kept {TAIL_RECALL} steps, for the next such outlier "
+                    "taken as the run's own heavy tail")
         how = (f"each element held to {rms:.3g}x its running RMS where the optimizer keeps one, the whole "
                f"scaled by {factor:.3g} at least ({ratio * factor:.3g}x its typical norm)" if rms is not None else
                f"scaled by {factor:.3g} to {ratio * factor:.3g}x its typical norm")
@@ -129,6 +139,17 @@ class Responses:
             message=f"outlier gradient ({ratio:.3g}x its typical norm), {why}: {how} before the update",
             values={"clip_factor": factor, "ratio": ratio, "each": rms if rms is not None else 0.0},
             batch=_batch_index(tag)))
+
+    def add_held(self, tag: StepTag) -> None:
+        """Add the rest a lone outlier's bound kept (:meth:`clip`) to this step's gradients: that
+        outlier was the first of the run's heavy tail, which this step's outlier is taken as."""
+        held, self._held = self._held, None
+        if held is not None and not self._dry:
+            held.add_to_gradients(tag.inv_scale)
+
+    def drop_held(self) -> None:
+        """Let a kept rest go (the policy let it go, or a rewind undid the steps it would have joined)."""
+        self._held = None
 
     # -- a skipped step -------------------------------------------------------------------------------
     def skipped(self, decision: Decision, tag: StepTag) -> None:

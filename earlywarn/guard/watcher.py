@@ -423,6 +423,10 @@ class Watcher:
             return apply(NO_UPDATE)
         if decision.policy.clip_factor is not None:
             self.responses.clip(decision, tag)
+        if decision.policy.add_held:
+            self.responses.add_held(tag)
+        elif self._policy.tail_held is None:
+            self.responses.drop_held()  # let go by the policy (TAIL_RECALL steps on, a tail revoked)
         out = apply(self._install.update(decision.skip))
         self._after_step(decision, tag)
         return out
@@ -520,6 +524,7 @@ class Watcher:
             self._after_step(decision, tag)
             return
         report = self.responses.rewind(decision, tag, self.episode)
+        self.responses.drop_held()
         self.optimizer.zero_grad(set_to_none=True)
         self.telemetry.log_metrics(tag.run_step, decision.obs, self._detector.score)
         # the training step goes back (the loop's schedule can follow: ew.step); the run's clock
