@@ -312,6 +312,10 @@ class Policy:
         actions = tuple(sorted(wanted, key=SEVERITY.__getitem__, reverse=True))
         self._after(actions, alerts, t, nonfinite_now or skipped, evidence)
         restores = Action.REWIND in wanted or Action.REPAIR in wanted
+        bounded_first = self.tail_held is not None and self.tail_held[0] == t
+        hold_rest = bounded_first and Action.CLIP in wanted and not restores
+        if bounded_first and not hold_rest:
+            self.tail_held = None  # this step's bound is not applied: no rest is kept
         return PolicyDecision(
             actions=actions, reasons=tuple(f"{a.value}: {wanted[a]}" for a in actions) + tuple(reasons),
             suppressed=suppressed, rewind_triggers=tuple(triggers) if restores else (),
@@ -322,7 +326,7 @@ class Policy:
             lr_hold=hold, lr_hold_why=hold_why if hold is not None else "",
             clip_factor=clip if Action.CLIP in wanted and not restores else None,
             clip_rms=rms if Action.CLIP in wanted and not restores else None,
-            hold_rest=self.tail_held is not None and self.tail_held[0] == t and Action.CLIP in wanted and not restores,
+            hold_rest=hold_rest,
             add_held=self._rest_joins(held, alerts, t) and not restores and not any(
                 a in wanted for a in (Action.SKIP, Action.HALT)),
             clip_note=clip_note if (clip is not None and Action.CLIP in wanted or Action.SKIP in wanted) and not restores

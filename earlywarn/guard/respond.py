@@ -117,6 +117,7 @@ class Responses:
         out = next((a for a in decision.alerts if a.kind is Kind.GRAD_OUTLIER), None)
         ratio = out.values.get("ratio", math.nan) if out is not None else math.nan
         rms = decision.policy.clip_rms
+        rest = None
         if not self._dry:
             params = self.statistics.layer_map.params
             rest = Rest(params) if decision.policy.hold_rest and Rest.fits(params) else None
@@ -127,7 +128,7 @@ class Responses:
             if rest is not None:
                 self._held = rest.taken(tag.inv_scale)
         why = decision.policy.clip_note or "bounded"
-        if self._held is not None and decision.policy.hold_rest:
+        if rest is not None:
             why += (f"; what the bound takes off is kept {TAIL_RECALL} steps, for the next such outlier "
                     "taken as the run's own heavy tail")
         how = (f"each element held to {rms:.3g}x its running RMS where the optimizer keeps one, the whole "
