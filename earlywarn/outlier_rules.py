@@ -11,6 +11,8 @@ size bounded (``OUTLIER_GROWTH``). Pure Python; read by
 
 from __future__ import annotations
 
+import math
+
 IDLE_STEP_CAP = 100.0
 """An outlier at which a part of the model idle for steps trains again (a rarely sampled task's
 head, an expert) is the run's own kind of step and is applied, scaled down to this many typical
@@ -109,7 +111,7 @@ whose gradient is mostly noise too), the burst 1.58 / 1.65 / 2.07x its twin's (o
 OUTLIER_GROWTH = 1.25
 """An outlier is taken at its typical size (element by element against the optimizer's second
 moment where it keeps one: ``earlywarn.guard.bound``; at ``outlier_clip_ratio`` times it where
-the batch's loss is under ``TAIL_LOSS`` times its level: not a batch the model finds wrong), and
+the batch's loss is at its level, ``loss_at_level``: not a batch the model finds wrong), and
 those after it in the same run scaled to ``outlier_clip_ratio`` typical norms (each element free
 up to ``RUN_ELEMENT_RMS`` times its running RMS) -- or, under plain SGD, to this many times the
 bound before (x9 after 10 steps, x87 after 20). A bad batch does one step of ordinary size; a
@@ -140,11 +142,22 @@ TAIL_LOSS = 2.5
 """An outlier gradient on a batch whose loss is under this many times its level is not a batch the
 model finds wrong: a heavy-tailed objective (a rare large reward, a rare heavy sample weight) or
 a gradient corrupted after the loss (a bad reduction: rare). Corrupt data raises the loss with the
-gradient (bursts and bad shards of the benchmark: 2.8x to 1e8x). Once one such outlier has been
+gradient (bursts and bad shards of the benchmark: 2.8x to 1e8x); so does no heavy tail by as much
+(``TAIL_LOSS_POWER``). Once one such outlier has been
 seen (``TAIL_SEEN``) the next are the run's own distribution -- those with the loss at its
 level, or at most twice as far above it as the tail's outliers have been (a reward's loss varies
 from batch to batch) -- taken, bounded to ``TAIL_BOUND`` times the largest seen, unless one taken
 was followed by damage (``TAIL_DAMAGE``)."""
+
+TAIL_LOSS_POWER = 0.25
+"""See ``TAIL_LOSS``: an outlier ``r`` times its typical norm whose loss is under ``r ** TAIL_LOSS_POWER``
+times its level is not a batch the model finds wrong either: its gradient grew by orders of magnitude
+more than its loss did. A wrong batch raises both together (the bursts and bad shards of
+``benchmarks/rescue.py``, six seed bases, 789 outliers with the loss 2.5x up or more: at least
+``r ** 0.29`` times its level, ``r ** 0.46`` past 1e3x); a rare reward raises the gradient by the reward
+and the loss by the reward against a loss its other terms keep (``heavy_reward``: ``r ** 0.09`` to
+``r ** 0.33``; a 1e5x gradient at 4.3x, ``r ** 0.13``, was bounded to one ordinary step each time, and
+the run kept 0.03 of its progress)."""
 
 TAIL_SEEN = 1
 """See ``TAIL_LOSS``: such outliers bounded as any other before the next are taken whole."""
@@ -169,6 +182,12 @@ TAIL_NOTE = "the run's own heavy tail (outliers with the loss at its level seen 
 TRIAL_NOTE = ("the same outlier came back after the skips (a skip leaves the model as it was): taken at its "
                "typical norm, to see whether it heals (a bad batch's does not)")
 OWN_NOTE = "the run's own spike (each bounded step taken made the next gradient smaller): trained on, bounded"
+
+
+def loss_at_level(loss: float, ratio: float) -> bool:
+    """An outlier ``ratio`` times its typical norm on a batch whose loss is ``loss`` times its level is
+    not a batch the model finds wrong (``TAIL_LOSS``, ``TAIL_LOSS_POWER``; False on NaN)."""
+    return loss < TAIL_LOSS or ratio < math.inf and loss < ratio ** TAIL_LOSS_POWER
 
 
 def damaged(ratio: float, lost: float) -> bool:

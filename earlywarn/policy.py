@@ -21,7 +21,7 @@ from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, impor
     BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
     BURST_HEAL_STEPS, HEAL_MEAN, RUN_ELEMENT_RMS,
     CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
-    TAIL_LOSS, TAIL_NOTE, TAIL_RECALL, TAIL_SEEN, TAIL_WATCH, damaged, outlier_note)
+    TAIL_LOSS, TAIL_NOTE, TAIL_RECALL, TAIL_SEEN, TAIL_WATCH, damaged, loss_at_level, outlier_note)
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
@@ -365,7 +365,7 @@ class Policy:
         known = self.tail_seen >= TAIL_SEEN
         # the loss at its level, or (a tail known) within twice the loss its outliers had (False on NaN)
         # (the first outlier of a run, or one more of a run whose outliers were all the tail's)
-        if ((loss < TAIL_LOSS or known and loss <= 2.0 * self.tail_loss) and not self.tail_revoked and ratio == ratio
+        if ((loss_at_level(loss, ratio) or known and loss <= 2.0 * self.tail_loss) and not self.tail_revoked and ratio == ratio
                 and (self.outliers == 1 or self.tail_taken == t - 1)):
             self.tail_loss = max(self.tail_loss, loss)
             if known:
@@ -394,13 +394,13 @@ class Policy:
         k = self.outliers - 1
         if not self.scale_free:
             bound = OUTLIER_GROWTH ** k
-        elif k == 0 and (self.tail_revoked or not loss < TAIL_LOSS):  # (NaN: not at its level)
+        elif k == 0 and (self.tail_revoked or not loss_at_level(loss, ratio)):  # (NaN: not at its level)
             bound = 1.0
         else:
             bound = self.cfg.outlier_clip_ratio
         if not (ratio == ratio and ratio > bound):
             return Action.NONE, None, "", None
-        if k == 0 and self.scale_free and loss < TAIL_LOSS and not self.tail_revoked:
+        if k == 0 and self.scale_free and loss_at_level(loss, ratio) and not self.tail_revoked:
             self.tail_held = (t, ratio)  # the rest kept: it may be the run's heavy tail
         # (the rest of a run: each element may take half an ordinary step, so that none is all but frozen)
         return (Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free),

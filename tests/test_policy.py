@@ -914,3 +914,33 @@ def test_the_rest_of_the_first_outlier_at_its_level_goes_with_the_run_s_heavy_ta
     assert not step(Policy(scale_free=False), 10, 5000.0, 1.0).hold_rest
     p = Policy(PolicyConfig(on_grad_outlier="skip"))
     assert step(p, 10, 5000.0, 1.0).actions == (Action.SKIP,) and p.tail_held is None
+
+
+def test_an_outlier_whose_loss_rose_orders_of_magnitude_less_than_its_gradient_is_the_run_s_heavy_tail():
+    """A policy gradient whose loss its other terms keep (an entropy bonus, no baseline): a rare
+    reward raises the gradient 1e5x and the loss only 4.3x. That is no batch the model finds wrong
+    (``TAIL_LOSS_POWER``): the first is bounded to 3x its RMS with its rest kept, the next taken as
+    the run's tail with that rest. A wrong batch raises the loss with the gradient -- a bad shard at
+    1e3x and 500x, a mildly wrong one at 90x and 4.1x: each does one ordinary step, never a tail."""
+    from earlywarn.outlier_rules import TAIL_LOSS_POWER, loss_at_level
+
+    step = _tail_step
+    p = Policy()
+    d = step(p, 69, 1e5, 4.25)
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 1e5) and d.hold_rest
+    step(p, 70)
+    d = step(p, 91, 1.2e5, 4.3)
+    assert not d.actions and d.add_held and p.tail_taken == p.tick
+    step(p, 92)
+    assert not step(p, 161, 1.4e5, 7.7).actions  # within twice the tail's loss: the tail's
+
+    q = Policy()
+    for s, (ratio, loss) in zip(range(10, 100, 20), [(1e3, 500.0), (90.0, 4.1), (1e3, 494.0), (4e7, 1.1e5)]):
+        d = step(q, s, ratio, loss)
+        assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(1.0 / ratio) and not d.hold_rest
+        step(q, s + 1)
+    assert q.tail_seen == 0 and q.tail_taken is None
+    # the rule itself: the loss under the gradient's ratio to the TAIL_LOSS_POWER, or under TAIL_LOSS
+    assert loss_at_level(2.0, 30.0) and loss_at_level(9.0, 1e4) and 1e4 ** TAIL_LOSS_POWER > 9.0
+    assert not loss_at_level(4.1, 90.0) and not loss_at_level(float("nan"), 1e5)
+    assert not loss_at_level(3.0, float("nan")) and not loss_at_level(3.0, float("inf"))

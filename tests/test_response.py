@@ -53,3 +53,18 @@ def test_a_dying_run_of_every_fault_family_is_rescued(name):
     kept = rescue.kept(twin["E0"], ew["E"], twin["E"])
     assert kept >= rescue.RESCUED_AT, (name, kept, [e for e in ew["events"] if e["level"] != "info"][:6])
     assert math.isfinite(ew["E"]) and ew["params_finite"]
+
+
+def test_a_policy_gradient_whose_loss_rises_far_less_than_its_gradient_keeps_its_rewards():
+    """A policy gradient without a baseline, its loss's level kept by the entropy bonus: every rare
+    reward is a gradient ~1e5x its typical norm on a batch whose loss is only ~4.3x its level.
+    Read as wrong batches (the loss up), each was held to one ordinary step and the run kept 0.03
+    of bare's progress; the loss rose orders of magnitude less than the gradient
+    (``TAIL_LOSS_POWER``), so they are the run's heavy tail, taken from the second on."""
+    cfg = next(c for c in HEALTHY["heavy_reward"].configs(307, 7) if c["id"] == "heavy_reward-307-006")
+    assert cfg["task"]["baseline"] == "none"
+    ew, bare = run_one(cfg, "earlywarn"), run_one(cfg, "bare")
+    assert ew["error"] is None and ew["counters"]["rewinds"] == 0 and not ew["counters"]["skipped_steps"]
+    outliers = [e for e in ew["events"] if e["kind"] == "grad_outlier"]
+    assert len(outliers) >= 5 and all("the loss too is" in e["message"] for e in outliers)
+    assert rescue.kept(bare["E0"], ew["E"], bare["E"]) >= 1.0 - rescue.WORSE_MARGIN
