@@ -13,7 +13,9 @@ a climb of 1.8-2.6% a step, the rate 100-600x where it began; and a warning alon
 warm restarts and cycles. So a creep is trouble, warned or not, once it has gone well past the
 highest rate the run ever took and the loss is clearly worse than before it began: a rise that
 helps, or leaves the loss where it was, goes on (on the dying climbs it fired at 2-360x the rate
-they rose from, before the collapse).
+they rose from, before the collapse). A factor left in the loop grows its steps with the rate; a
+scheduled linear ramp (a cyclic schedule's rise) adds the same each step and may worsen the loss at its
+top for a while: it is held only far beyond (``RAMP_BEYOND``).
 """
 
 from __future__ import annotations
@@ -49,12 +51,25 @@ rewound; at three none of 63 re-warm-ups and cycles on three seed bases, and the
 every one of 19 dying climbs (later on some: 39x where one error met it at 6x)."""
 
 
+RAMP_BEYOND = 10.0
+"""A creep that adds the same amount every step (its last ``RISE_STEPS`` increments within
+``RAMP_EVEN`` of each other) is a scheduled linear ramp -- a cyclic schedule's rise, a linear
+re-warm-up -- and is trouble only past this many times the highest rate the run took before it:
+such a rise ends where the schedule turns, and its loss may worsen at its top and recover as it
+comes down (a healthy cycle 1x to 7x over 54 steps was rewound so, at 6.9x). A factor left in the
+loop grows its increments with the rate (1.01x a step: 10% over 10 steps); a ramp without end is
+caught past this."""
+
+RAMP_EVEN = 0.02
+"""See ``RAMP_BEYOND``."""
+
+
 class LrTrend:
     """``trend.push(lr, loss)`` every step; :attr:`creeping`, :attr:`stalled` and :attr:`calm_lr`
     say where it stands; :attr:`held` is the policy's mark that it held this rise. State: the step count, the previous LR, how many steps in a row it rose,
     the rate it rose from (NaN: no rise under way, or one from too early in the run to have a
     calm rate), the highest LR taken before the rise and ever, the last ``LOSS_STEPS`` losses,
-    the loss's level and noise before the rise, and the run's first loss."""
+    the loss's level and noise before the rise, the run's first loss, and the last few rates."""
 
     def __init__(self) -> None:
         self.seen = 0
@@ -68,6 +83,7 @@ class LrTrend:
         self.held = False  # the policy held the learning rate for this rise already
         self.first_loss = math.nan  # the run's first finite loss: what it knew at the start
         self.fine_at = 0  # the step count when a creep's loss was last within one error of its level
+        self.recent: deque[float] = deque(maxlen=RISE_STEPS + 1)  # the last learning rates
 
     def push(self, lr: float, loss: float = math.nan) -> None:
         if not lr == lr:
@@ -82,6 +98,7 @@ class LrTrend:
         else:
             self.rising, self.calm_lr, self.held = 0, math.nan, False
         self.prev = lr
+        self.recent.append(lr)
         self.peak = max(self.peak, lr)
         self.seen += 1
         if math.isfinite(loss):
@@ -110,14 +127,22 @@ class LrTrend:
         before the rise (``LOSS_STEPS``, ``WORSE_SE``): trouble, warned or not."""
         mean, err = self.level
         return (self.creeping and self.prev >= BEYOND * self.peak_before and len(self.losses) == LOSS_STEPS
-                and math.fsum(self.losses) / LOSS_STEPS > mean + WORSE_SE * err)  # (False on NaN)
+                and math.fsum(self.losses) / LOSS_STEPS > mean + WORSE_SE * err  # (False on NaN)
+                and (not self._linear() or self.prev >= RAMP_BEYOND * self.peak_before))
+
+    def _linear(self) -> bool:
+        """The creep's last increments are all the same (``RAMP_EVEN``): a scheduled linear ramp."""
+        r = list(self.recent)
+        steps = [b - a for a, b in zip(r, r[1:])]
+        return len(steps) == RISE_STEPS and min(steps) > 0.0 and max(steps) <= (1.0 + RAMP_EVEN) * min(steps)
 
     def state_dict(self) -> dict[str, Any]:
         nan_none = lambda v: None if v != v else v  # noqa: E731
         return {"seen": self.seen, "prev": nan_none(self.prev), "rising": self.rising, "calm_lr": nan_none(self.calm_lr),
                 "peak": self.peak, "peak_before": nan_none(self.peak_before), "losses": list(self.losses),
                 "level": [nan_none(v) for v in self.level], "held": self.held,
-                "first_loss": nan_none(self.first_loss), "fine_at": self.fine_at}
+                "first_loss": nan_none(self.first_loss), "fine_at": self.fine_at,
+                "recent": list(self.recent)}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         none_nan = lambda v: math.nan if v is None else float(v)  # noqa: E731
@@ -133,6 +158,7 @@ class LrTrend:
         self.held = bool(d.get("held", False))
         self.first_loss = none_nan(d.get("first_loss"))
         self.fine_at = int(d.get("fine_at", 0))
+        self.recent = deque((float(v) for v in d.get("recent", [])), maxlen=RISE_STEPS + 1)
 
 
 def _level(losses: deque[float]) -> tuple[float, float]:

@@ -944,3 +944,38 @@ def test_an_outlier_whose_loss_rose_orders_of_magnitude_less_than_its_gradient_i
     assert loss_at_level(2.0, 30.0) and loss_at_level(9.0, 1e4) and 1e4 ** TAIL_LOSS_POWER > 9.0
     assert not loss_at_level(4.1, 90.0) and not loss_at_level(float("nan"), 1e5)
     assert not loss_at_level(3.0, float("nan")) and not loss_at_level(3.0, float("inf"))
+
+
+def test_a_scheduled_linear_ramp_whose_loss_worsens_at_its_top_is_held_only_past_ten_times():
+    """A cyclic schedule's first rise after a flat stretch (1x to 7x over 54 steps, the loss worse
+    and worse as it climbs, better as it comes down) adds the same amount every step, where a
+    factor left in the loop grows its steps with the rate (that climb, above, is held). Not held (a
+    healthy ``lr_cycle`` run was rewound with a CRITICAL so, at 6.9x); the same ramp going on
+    without end is held once past ``RAMP_BEYOND`` times the highest rate taken, and a factor of
+    1.02 on a cosine's decay is still a creep."""
+    import random
+
+    from earlywarn.lrtrend import BEYOND, RAMP_BEYOND
+
+    rng = random.Random(6)
+    low, flat = 1e-3, 150
+    up = [low * (1.0 + 6.0 * k / 54) for k in range(1, 55)]
+    tri = [low] * flat + up + up[::-1][1:] + [low] * 40
+
+    def worse_while_up(lrs):  # improves, then 0.5x its noise worse a step while the rate is above 2x
+        return [2.5 - 0.002 * min(s, flat) + 0.05 * sum(1 for x in lrs[flat:s] if x > BEYOND * low)
+                + rng.gauss(0.0, 0.1) for s in range(len(lrs))]
+
+    p = Policy()
+    assert all(d.lr_hold is None and not d.actions for d in _lrs_losses(p, tri, worse_while_up(tri)).values())
+    assert p.lr_trend.peak == pytest.approx(7 * low)
+    ramp = [low] * flat + [low * (1.0 + 6.0 * k / 54) for k in range(1, 200)]  # a ramp without end
+    ds = _lrs_losses(Policy(), ramp, worse_while_up(ramp))
+    held = [s for s, d in ds.items() if d.lr_hold is not None]
+    assert len(held) == 1 and ramp[held[0]] >= RAMP_BEYOND * low and ds[held[0]].lr_hold == pytest.approx(low)
+    # a factor left in the loop on a cosine schedule's decay (x1.02 a step from step 150 of 600): held near 2x
+    cos = [low * (0.1 + 0.45 * (1.0 + math.cos(math.pi * s / 600))) for s in range(600)]
+    creep = cos[:flat] + [c * 1.02 ** (s - flat) for s, c in enumerate(cos[flat:], flat)]
+    ds = _lrs_losses(Policy(), creep, worse_while_up(creep))
+    held = [s for s, d in ds.items() if d.lr_hold is not None]
+    assert len(held) == 1 and creep[held[0]] < 3.0 * max(cos[:flat]), (held, creep[held[0]] / low)
