@@ -75,6 +75,16 @@ by then is not rewound (seed base 89: one of seven, 0.84 kept where the rewind a
 HEAL_MEAN = 5
 """See ``BURST_HEAL_STEPS``."""
 
+BURST_HEAL_FALL = 0.5
+"""See ``BURST_HEAL_STEPS``: a run whose loss above its level before the run has fallen to this
+fraction of what it was just after the end (the means of the first and of the last ``HEAL_MEAN``
+steps) is being learned, not damage that stays: a new stage under plain SGD after a memorized one
+(``pool_switch-811-006``) ended 50x its old level and fell to 20x 30 steps later, the new stage's
+floor, with 3% of the run's progress lost; a burst's damage stays where it ended (2.4x, 2.4x).
+Not where ``BURST_END_LOST`` of the progress is lost: a small batch's loss on a classifier a burst
+erased halves and doubles from one 5-step mean to the next (``burst-811-005``, 95% lost, rescued
+only by the rewind)."""
+
 BURST_END_TRAINED = 5
 """See ``BURST_END_LOSS``: a run is judged at its end once it was trained on for this many steps
 (a part unfrozen meanwhile takes its first steps, Adagrad's first is lr x the sign: the gradient

@@ -19,7 +19,7 @@ from earlywarn.events import Event, Kind, Level
 from earlywarn.lrtrend import LOSS_STEPS, LrTrend
 from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, importable from here too)
     BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
-    BURST_HEAL_STEPS, HEAL_MEAN, RUN_ELEMENT_RMS,
+    BURST_HEAL_FALL, BURST_HEAL_STEPS, HEAL_MEAN, RUN_ELEMENT_RMS,
     CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
     TAIL_LOSS, TAIL_NOTE, TAIL_RECALL, TAIL_SEEN, TAIL_WATCH, damaged, loss_at_level, outlier_note)
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
@@ -440,16 +440,21 @@ class Policy:
         recovered (a phase of other data the run has come back from) -> (0, "")."""
         start, end, level, first = self.burst_watch  # type: ignore[misc]
         if ev.loss == ev.loss:
-            self.burst_losses = (self.burst_losses + [ev.loss])[-HEAL_MEAN:]
+            self.burst_losses.append(ev.loss)  # (BURST_HEAL_STEPS of them at most: judged then)
         if t - end < BURST_HEAL_STEPS:
             return 0, ""
         self.burst_watch = None
-        now = sum(self.burst_losses) / len(self.burst_losses) if self.burst_losses else math.nan
+        losses, self.burst_losses = self.burst_losses, []
+        now = sum(losses[-HEAL_MEAN:]) / len(losses[-HEAL_MEAN:]) if losses else math.nan
         # (a loss that is not positive has no ratio to its level: the detector's own, this step's)
         ratio = now / level if level > 0.0 else ev.loss_ratio
         lost = _progress_lost(now, level, first)
         if not damaged(ratio, lost):
             return 0, ""
+        if lost < BURST_END_LOST and len(losses) >= 2 * HEAL_MEAN and level > 0.0:
+            early = sum(losses[:HEAL_MEAN]) / HEAL_MEAN
+            if now - level <= BURST_HEAL_FALL * (early - level):
+                return 0, ""  # far above a memorized level, but falling fast: a new stage being learned
         return t - start + 1, (f"a run of {end - start} steps of outlier gradients, trained on bounded, ended in one "
                                f"step at step {end} with the loss damaged, and {t - end} steps later it is still "
                                f"{ratio:.3g}x its level before the run"

@@ -532,6 +532,20 @@ def test_a_burst_taken_bounded_is_rewound_when_it_ends_having_damaged_the_model(
     d = after(p, end, [3.0 - 1.7 * k / BURST_HEAL_STEPS for k in range(1, BURST_HEAL_STEPS + 1)])
     assert not d.actions and not p.watching
 
+    # still far above a memorized level, but falling fast with little of the run's progress lost: a
+    # new stage being learned (BURST_HEAL_FALL), not rewound; the same fall with most of it lost is
+    from earlywarn.outlier_rules import BURST_HEAL_FALL
+
+    falling = [50.0 * (20.0 / 50.0) ** (k / BURST_HEAL_STEPS) for k in range(1, BURST_HEAL_STEPS + 1)]
+    assert falling[-1] - 1.0 <= BURST_HEAL_FALL * (falling[0] - 1.0)
+    for first_loss, rewound in ((2000.0, False), (30.0, True)):  # 1% of the run's progress lost / 68%
+        p = Policy()
+        p.decide(1, [], Evidence(1.0, first_loss, 1e-3, first_loss, 1.0))  # the run's first loss (its level 1.0)
+        end = run(p)
+        p.decide(end, [], step(0.8, 50.0))
+        d = after(p, end, falling)
+        assert (d.actions == (Action.REWIND,)) is rewound, first_loss
+
     # the policy's state carries a run in progress, and a run under watch, across a resume
     for watched in (False, True):
         p = Policy()
