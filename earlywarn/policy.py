@@ -437,7 +437,8 @@ class Policy:
     def _burst_healed(self, ev: Evidence, t: int) -> tuple[int, str]:
         """A run that ended with the loss damaged, ``BURST_HEAL_STEPS`` later: the loss (the mean
         of the last ``HEAL_MEAN`` steps) damaged still -> (steps back to before the run, why);
-        recovered (a phase of other data the run has come back from) -> (0, "")."""
+        recovered (a phase of other data the run has come back from), or still falling fast with
+        under half the run's progress lost (a new stage being learned, ``BURST_HEAL_FALL``) -> (0, "")."""
         start, end, level, first = self.burst_watch  # type: ignore[misc]
         if ev.loss == ev.loss:
             self.burst_losses.append(ev.loss)  # (BURST_HEAL_STEPS of them at most: judged then)
