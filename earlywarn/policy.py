@@ -362,10 +362,11 @@ class Policy:
         if self.big_applied is not None and t - self.big_applied <= 3:
             return Action.NONE, None, "", None  # the run recovering from its own large update: let it
         loss = a.values.get("loss_ratio", math.nan)
+        at_level = loss_at_level(loss, ratio)  # (False on NaN)
         known = self.tail_seen >= TAIL_SEEN
         # the loss at its level, or (a tail known) within twice the loss its outliers had (False on NaN)
         # (the first outlier of a run, or one more of a run whose outliers were all the tail's)
-        if ((loss_at_level(loss, ratio) or known and loss <= 2.0 * self.tail_loss) and not self.tail_revoked and ratio == ratio
+        if ((at_level or known and loss <= 2.0 * self.tail_loss) and not self.tail_revoked and ratio == ratio
                 and (self.outliers == 1 or self.tail_taken == t - 1)):
             self.tail_loss = max(self.tail_loss, loss)
             if known:
@@ -392,15 +393,16 @@ class Policy:
         # first of a run element by element; one whose loss says the batch is wrong, or in a run
         # whose heavy tail did damage, does one ordinary step); a plain SGD step grows with the regime
         k = self.outliers - 1
+        first_at_level = k == 0 and at_level and not self.tail_revoked
         if not self.scale_free:
             bound = OUTLIER_GROWTH ** k
-        elif k == 0 and (self.tail_revoked or not loss_at_level(loss, ratio)):  # (NaN: not at its level)
+        elif k == 0 and not first_at_level:
             bound = 1.0
         else:
             bound = self.cfg.outlier_clip_ratio
         if not (ratio == ratio and ratio > bound):
             return Action.NONE, None, "", None
-        if k == 0 and self.scale_free and loss_at_level(loss, ratio) and not self.tail_revoked:
+        if first_at_level and self.scale_free:
             self.tail_held = (t, ratio)  # the rest kept: it may be the run's heavy tail
         # (the rest of a run: each element may take half an ordinary step, so that none is all but frozen)
         return (Action.CLIP, bound / ratio, outlier_note(int(a.values.get("steps", 1.0)), bound, self.scale_free),
@@ -446,7 +448,8 @@ class Policy:
             return 0, ""
         self.burst_watch = None
         losses, self.burst_losses = self.burst_losses, []
-        now = sum(losses[-HEAL_MEAN:]) / len(losses[-HEAL_MEAN:]) if losses else math.nan
+        last = losses[-HEAL_MEAN:]
+        now = sum(last) / len(last) if last else math.nan
         # (a loss that is not positive has no ratio to its level: the detector's own, this step's)
         ratio = now / level if level > 0.0 else ev.loss_ratio
         lost = _progress_lost(now, level, first)
