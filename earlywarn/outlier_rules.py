@@ -12,6 +12,7 @@ size bounded (``OUTLIER_GROWTH``). Pure Python; read by
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 IDLE_STEP_CAP = 100.0
 """An outlier at which a part of the model idle for steps trains again (a rarely sampled task's
@@ -169,6 +170,18 @@ and the loss by the reward against a loss its other terms keep (``heavy_reward``
 ``r ** 0.33``; a 1e5x gradient at 4.3x, ``r ** 0.13``, was bounded to one ordinary step each time, and
 the run kept 0.03 of its progress)."""
 
+TAIL_SIGNAL_Z = 1000.0
+"""See ``TAIL_LOSS``: the first outlier with the loss at its level is bounded, because a gradient
+corrupted after its loss (a bad reduction) looks the same to the ratios -- unless its loss moved
+this many times its typical step-to-step change (:func:`loss_jump`). A corrupted gradient leaves
+the loss inside its noise (``benchmarks/rescue.py``, every seed base measured: ``huge_grad``'s 131
+first outliers at their level moved it at most 24x); a rare large reward moves a loss its other
+terms keep all but constant by thousands of times it (``heavy_reward``'s first: 1.1e3x to 2.8e7x),
+and bounded, the reward was lost (kept 0.82-0.97 of bare's progress on 8 of 42 runs). Such an
+outlier is the run's signal: taken whole, and watched as the tail's are (``TAIL_DAMAGE``). Wrong
+data at the loss's level moves it less (bad shards, bursts, bad batches, LR pulses: at most 74x;
+hopeless runs 144x)."""
+
 TAIL_SEEN = 1
 """See ``TAIL_LOSS``: such outliers bounded as any other before the next are taken whole."""
 
@@ -184,8 +197,11 @@ TAIL_WATCH = 3
 
 TAIL_RECALL = 50
 """The first outlier of a run with the loss at its level is bounded (it may be a gradient corrupted
-after the loss); what the bound took off it is kept this many steps: the next such outlier taken
-as the run's heavy tail (``TAIL_SEEN``) takes it too, so that the tail's first member is not lost."""
+after the loss; ``TAIL_SIGNAL_Z`` says where it cannot be); what the bound took off it is kept this
+many steps: the next such outlier taken as the run's heavy tail (``TAIL_SEEN``) takes it too, so
+that the tail's first member is not lost."""
+
+TAIL_SIGNAL_NOTE = "the run's own signal (its loss moved thousands of times its noise, in ratio little): taken whole"
 
 TAIL_NOTE = "the run's own heavy tail (outliers with the loss at its level seen before, none damaged the run), bounded"
 
@@ -198,6 +214,19 @@ def loss_at_level(loss: float, ratio: float) -> bool:
     """An outlier ``ratio`` times its typical norm on a batch whose loss is ``loss`` times its level is
     not a batch the model finds wrong (``TAIL_LOSS``, ``TAIL_LOSS_POWER``; False on NaN)."""
     return loss < TAIL_LOSS or ratio < math.inf and loss < ratio ** TAIL_LOSS_POWER
+
+
+def loss_jump(losses: Sequence[float]) -> float:
+    """How many times its typical step-to-step change the last of ``losses`` (the run's latest, in
+    order) moved from the one before: over the median size of the changes before it (NaN with
+    fewer than 10 of them, or where most were exactly 0: a loss reported stale is not read)."""
+    xs = list(losses)
+    if len(xs) < 11 or not all(map(math.isfinite, xs)):
+        return math.nan
+    sizes = sorted(abs(b - a) for a, b in zip(xs[:-1], xs[1:-1]))
+    n = len(sizes)
+    typical = sizes[n // 2] if n % 2 else 0.5 * (sizes[n // 2 - 1] + sizes[n // 2])
+    return abs(xs[-1] - xs[-2]) / typical if typical > 0.0 else math.nan
 
 
 def damaged(ratio: float, lost: float) -> bool:

@@ -21,7 +21,8 @@ from earlywarn.outlier_rules import (  # noqa: F401 (the rules' constants, impor
     BURST_AGAIN_NOTE, BURST_END_DROP, BURST_END_LOSS, BURST_END_LOST, BURST_END_TRAINED, BURST_END_WITHIN,
     BURST_HEAL_FALL, BURST_HEAL_STEPS, HEAL_MEAN, RUN_ELEMENT_RMS,
     CLIMB_GROWTH, CLIMB_NOTE, CLIMB_STEPS, IDLE_NOTE, IDLE_STEP_CAP, OUTLIER_GROWTH, TAIL_BOUND, TAIL_DAMAGE,
-    TAIL_LOSS, TAIL_NOTE, TAIL_RECALL, TAIL_SEEN, TAIL_WATCH, damaged, loss_at_level, outlier_note)
+    TAIL_LOSS, TAIL_NOTE, TAIL_RECALL, TAIL_SEEN, TAIL_SIGNAL_NOTE, TAIL_SIGNAL_Z, TAIL_WATCH, damaged, loss_at_level,
+    loss_jump, outlier_note)
 from earlywarn.policy_config import SEVERITY, Action, PolicyConfig
 
 __all__ = ["Action", "Evidence", "Policy", "PolicyConfig", "PolicyDecision"]
@@ -229,7 +230,9 @@ class Policy:
             warned_now |= a.kind is Kind.COLLAPSE_RISK
             action = _with_state(getattr(cfg, field), a.kind, state_finite)
             if a.kind is Kind.GRAD_OUTLIER:
-                action, clip, clip_note, rms = self._outlier(a, action, t)
+                # (the trend holds this step's loss last when it took it: a known LR, a finite loss)
+                pushed = evidence.lr == evidence.lr and math.isfinite(evidence.loss)
+                action, clip, clip_note, rms = self._outlier(a, action, t, self.lr_trend.losses if pushed else ())
             elif a.kind is Kind.LOSS_DIVERGED and action is Action.REWIND:
                 action, back, hold_target = self._divergence(a, t, reasons)
             elif a.kind is Kind.COLLAPSE_RISK and "lr_ref" in a.values and cfg.lr_probe_steps:
@@ -342,11 +345,13 @@ class Policy:
         return held[1] <= TAIL_BOUND * ratio  # (False on NaN)
 
     # -- the rules that read more than one alert -----------------------------------------------
-    def _outlier(self, a: Event, action: Action, t: int) -> tuple[Action, float | None, str, float | None]:
+    def _outlier(self, a: Event, action: Action, t: int,
+                 losses: Iterable[float] = ()) -> tuple[Action, float | None, str, float | None]:
         """An outlier is taken, bounded (``on_grad_outlier="clip"``), or skipped first
         (``"skip"``); the run's own kinds of outlier have rules of their own (-> the action, the
         factor the gradients are scaled by, why, and the bound of each element in running RMS: the
-        first of a run ``bound``, the rest ``RUN_ELEMENT_RMS``, never under the whole's factor)."""
+        first of a run ``bound``, the rest ``RUN_ELEMENT_RMS``, never under the whole's factor).
+        ``losses``: the run's latest losses, this step's last (empty: not known)."""
         self.outliers += 1
         if self.outliers == 1:
             self.run_start = t
@@ -375,6 +380,9 @@ class Policy:
                 return (Action.NONE, None, TAIL_NOTE, None) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE, None)
             self.tail_seen += 1
             self.tail_max = max(self.tail_max, ratio)
+            if self.outliers == 1 and at_level and loss_jump(losses) >= TAIL_SIGNAL_Z:
+                self.tail_taken = t  # the batch moved a loss that had all but stood still: the run's signal
+                return Action.NONE, None, TAIL_SIGNAL_NOTE, None
         prev = a.values.get("prev_ratio", 1.0)
         if (self.outliers == 1 and prev >= self.cfg.outlier_clip_ratio
                 and a.values.get("prev_elevated", 0.0) >= CLIMB_STEPS and ratio <= CLIMB_GROWTH * prev):

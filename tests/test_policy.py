@@ -960,6 +960,52 @@ def test_an_outlier_whose_loss_rose_orders_of_magnitude_less_than_its_gradient_i
     assert not loss_at_level(3.0, float("nan")) and not loss_at_level(3.0, float("inf"))
 
 
+def test_a_first_outlier_that_moves_a_loss_standing_still_is_the_run_s_signal_taken_whole():
+    """A policy gradient without a baseline: its entropy term keeps the loss all but constant
+    (-0.011, changes of 1e-6) until a rare reward moves it to 2.4 with a gradient 1e4x its typical
+    norm. Bounded as a gradient corrupted after its loss would be, the reward was lost (kept
+    0.82-0.97 of bare's progress); it moved the loss 1e5x its noise, which no corruption after the
+    loss does (``TAIL_SIGNAL_Z``): taken whole, watched as the tail's (a loss 3x up after it: such
+    outliers are bounded again). The same outlier on a loss that moves as much every step, or one
+    with no loss history, is bounded as before."""
+    import random
+
+    from earlywarn.outlier_rules import TAIL_SIGNAL_Z, loss_jump
+    from earlywarn.policy import Evidence
+
+    rng = random.Random(3)
+
+    def run(noise, reward_loss, after=(1.0, 1.0, 1.0), lr=1e-3):
+        p, d = Policy(), None
+        loss = -0.011
+        for s in range(40):
+            loss = -0.011 + rng.gauss(0.0, noise)
+            p.decide(s, [], Evidence(1.0, 1.0, lr, loss))
+        d = p.decide(40, [ev(40, Kind.GRAD_OUTLIER, ratio=1e4, loss_ratio=1.4, steps=1)],
+                     Evidence(1e4, 1.4, lr, reward_loss))
+        later = [p.decide(41 + i, [], Evidence(1.0, r, lr, -0.011)) for i, r in enumerate(after)]
+        return p, d, later
+
+    p, d, _ = run(1e-6, 2.4)
+    assert not d.actions and d.clip_factor is None and p.tail_taken == p.tick - 3  # taken whole
+    assert not p.tail_revoked
+    p, d, later = run(1e-6, 2.4, after=(1.0, 3.5))  # the loss 3.5x its level after it: the rule ends
+    assert not d.actions and p.tail_revoked and any("bounded again" in r for r in later[1].reasons)
+    p, d, _ = run(0.5, 2.4)  # a loss that moves as much every step: bounded, its rest kept
+    assert d.actions == (Action.CLIP,) and d.clip_factor == pytest.approx(3.0 / 1e4) and d.hold_rest
+    p, d, _ = run(1e-6, 2.4, lr=math.nan)  # no learning rate, no loss history: as before
+    assert d.actions == (Action.CLIP,) and d.hold_rest
+    # the measure: the step's change over the typical change of the steps before it
+    trend = [1.0 - 0.01 * i for i in range(20)]
+    assert loss_jump(trend) == pytest.approx(1.0)  # a smooth descent's next step
+    jump = loss_jump(trend[:-1] + [trend[-2] + 50.0])  # 50 where the steps moved 0.01
+    assert jump == pytest.approx(5000.0) and jump >= TAIL_SIGNAL_Z
+    wobble = [1.0 + 0.1 * (-1) ** i for i in range(20)]  # two batches in turn
+    assert loss_jump(wobble + [wobble[-1] + 0.3]) == pytest.approx(1.5)
+    nan = [[0.0] * 5, [2.0] * 20 + [3.0], [1.0] * 19 + [math.nan, 1.0]]  # too few; a stale loss; a NaN
+    assert all(loss_jump(xs) != loss_jump(xs) for xs in nan)
+
+
 def test_a_scheduled_linear_ramp_whose_loss_worsens_at_its_top_is_held_only_past_ten_times():
     """A cyclic schedule's first rise after a flat stretch (1x to 7x over 54 steps, the loss worse
     and worse as it climbs, better as it comes down) adds the same amount every step, where a
