@@ -960,6 +960,28 @@ def test_an_outlier_whose_loss_rose_orders_of_magnitude_less_than_its_gradient_i
     assert not loss_at_level(3.0, float("nan")) and not loss_at_level(3.0, float("inf"))
 
 
+def test_far_out_an_outlier_s_loss_may_rise_further_and_still_be_the_run_s_tail():
+    """Past ``TAIL_LOSS_FAR`` (1e3x) wrong data raises the loss at least ``r ** 0.35`` (bad shards
+    and bursts ``r ** 0.41``) and a rare reward at most ``r ** 0.33``: the bound grows from its value
+    there as ``r ** TAIL_LOSS_POWER_FAR``. A first reward of 2.1e5x at 31.9x is the run's tail (it
+    was held to one ordinary step, and the run kept 0.30 of bare's progress); a bad shard at 1080x
+    and 17x, a burst at 2180x and 34.5x, and a hopeless run's 1.8e4x at 30.9x are still wrong
+    batches; under 1e3x nothing moved, and the bound is continuous there."""
+    from earlywarn.outlier_rules import TAIL_LOSS_FAR, TAIL_LOSS_POWER, loss_at_level
+
+    assert loss_at_level(31.9, 2.07e5) and loss_at_level(27.0, 1e5) and not loss_at_level(29.0, 1e5)
+    assert not any(loss_at_level(loss, r) for r, loss in [(1080.0, 17.0), (2180.0, 34.5), (1.83e4, 30.9)])
+    edge = TAIL_LOSS_FAR ** TAIL_LOSS_POWER
+    assert loss_at_level(edge * 0.999, TAIL_LOSS_FAR * 0.999) and loss_at_level(edge * 0.999, TAIL_LOSS_FAR)
+    assert not loss_at_level(edge * 1.001, TAIL_LOSS_FAR * 0.999) and not loss_at_level(edge * 1.001, TAIL_LOSS_FAR)
+    assert loss_at_level(4.0, 300.0) and not loss_at_level(4.2, 300.0)  # 300 ** 0.25 = 4.16: as before
+
+    step = _tail_step
+    p = Policy()
+    d = step(p, 22, 2.07e5, 31.9)  # the first: bounded to 3x its RMS, its rest kept (it was held to 1x)
+    assert d.actions == (Action.CLIP,) and d.clip_rms == 3.0 and d.hold_rest
+
+
 def test_a_first_outlier_that_moves_a_loss_standing_still_is_the_run_s_signal_taken_whole():
     """A policy gradient without a baseline: its entropy term keeps the loss all but constant
     (-0.011, changes of 1e-6) until a rare reward moves it to 2.4 with a gradient 1e4x its typical

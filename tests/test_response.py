@@ -81,3 +81,16 @@ def test_a_first_reward_that_moves_a_loss_standing_still_is_taken_whole():
     assert ew["error"] is None and ew["counters"]["rewinds"] == 0 and not ew["counters"]["skipped_steps"]
     assert any(e["kind"] == "grad_outlier" for e in ew["events"])
     assert rescue.kept(bare["E0"], ew["E"], bare["E"]) >= 1.0 - rescue.WORSE_MARGIN
+
+
+def test_a_first_reward_far_out_whose_loss_rose_less_than_bad_data_s_is_the_run_s_tail():
+    """A policy gradient without a baseline whose first reward is a gradient 2.1e5x its typical norm
+    on a batch whose loss is 31.9x its level: over ``r ** 0.25``, it was held to one ordinary step as
+    a wrong batch, the next ones bounded too, and the run kept 0.30 of bare's progress. Past 1e3x
+    wrong data raises the loss further (``TAIL_LOSS_FAR``): it is the run's tail, the run trains as
+    bare does."""
+    cfg = next(c for c in HEALTHY["heavy_reward"].configs(1153, 4) if c["id"] == "heavy_reward-1153-003")
+    ew, bare = run_one(cfg, "earlywarn"), run_one(cfg, "bare")
+    assert ew["error"] is None and ew["counters"]["rewinds"] == 0 and not ew["counters"]["skipped_steps"]
+    assert any("the loss too is" in e["message"] for e in ew["events"] if e["kind"] == "grad_outlier")
+    assert rescue.kept(bare["E0"], ew["E"], bare["E"]) >= 1.0 - rescue.WORSE_MARGIN
