@@ -283,6 +283,13 @@ class Policy:
                         f"loss got worse than before it began to rise (mean of the last {LOSS_STEPS} steps); held at "
                         "the rate it rose from")
             reasons.append(f"learning rate held at {hold:.3g}: {hold_why}")
+        elif trend.far and not trend.held and not trend.capped:
+            # a factor left in the loop, gone far: no schedule rises so, and the loss may never say
+            hold, trend.capped = trend.calm_lr, True
+            hold_why = (f"it crept up {trend.rising} steps in a row, each step larger than the last, to "
+                        f"{trend.prev / hold:.3g}x the rate the run trained at before ({trend.prev / trend.peak_before:.3g}x "
+                        "the highest it had taken): no schedule rises so; held at the rate it rose from")
+            reasons.append(f"learning rate held at {hold:.3g}: {hold_why}")
         grown = next((a for a in alerts if a.kind is Kind.LOGIT_GROWTH), None)
         if grown is not None and hold is None and cfg.logit_lr_factor < 1.0 and evidence.lr > 0.0:
             # a rate too high for the model: lower it, again at each doubling of the logit

@@ -1028,6 +1028,40 @@ def test_a_first_outlier_that_moves_a_loss_standing_still_is_the_run_s_signal_ta
     assert all(loss_jump(xs) != loss_jump(xs) for xs in nan)
 
 
+def test_a_factor_left_in_the_loop_is_held_past_sixteen_times_whatever_the_loss():
+    """x1.03 a step after a calm stretch, the loss still improving (a climb the train loss does not
+    show: on the rescue benchmark ten dying climbs never got a worse loss): held once at the rate it
+    rose from, with no rewind, when it passes ``CREEP_FAR`` times the highest rate taken; later,
+    a loss worse than before the climb still rewinds. A linear ramp to 9.5x, a factor that stops
+    at 7x and a geometric re-warm-up to 10x (the test above) are not held."""
+    import random
+
+    from earlywarn.lrtrend import CREEP_FAR
+
+    rng = random.Random(8)
+    low, flat = 1e-3, 120
+
+    def improving(n):
+        return [3.0 - 0.004 * s + rng.gauss(0.0, 0.05) for s in range(n)]
+
+    creep = [low] * flat + [low * 1.03 ** k for k in range(1, 120)]
+    ds = _lrs_losses(Policy(), creep, improving(len(creep)))
+    held = [s for s, d in ds.items() if d.lr_hold is not None]
+    assert len(held) == 1 and ds[held[0]].lr_hold == pytest.approx(low) and not ds[held[0]].actions
+    assert CREEP_FAR * low <= creep[held[0]] < 1.04 * CREEP_FAR * low
+    assert "no schedule rises so" in ds[held[0]].lr_hold_why
+    # capped, then the loss worse than before the climb: the loss rule still rewinds
+    worse = improving(flat + 100) + [4.0 + rng.gauss(0.0, 0.05) for _ in range(len(creep) - flat - 100)]
+    p = Policy()
+    ds = _lrs_losses(p, creep, worse)
+    rewound = [s for s, d in ds.items() if Action.REWIND in d.actions]
+    assert len(rewound) == 1 and rewound[0] > held[0] and ds[rewound[0]].lr_hold == pytest.approx(low)
+    ramp = [low] * flat + [low * (1.0 + 8.5 * k / 100) for k in range(1, 101)]  # linear, to 9.5x
+    assert all(d.lr_hold is None for d in _lrs_losses(Policy(), ramp, improving(len(ramp))).values())
+    short = [low] * flat + [low * 1.03 ** k for k in range(1, 67)] + [low * 1.03 ** 66] * 40  # stops at 7x
+    assert all(d.lr_hold is None for d in _lrs_losses(Policy(), short, improving(len(short))).values())
+
+
 def test_a_scheduled_linear_ramp_whose_loss_worsens_at_its_top_is_held_only_past_ten_times():
     """A cyclic schedule's first rise after a flat stretch (1x to 7x over 54 steps, the loss worse
     and worse as it climbs, better as it comes down) adds the same amount every step, where a

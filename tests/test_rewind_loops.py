@@ -561,17 +561,29 @@ def _creeping_loop(watched: bool, tmp_path, creep_from=None, rate=1.03, steps=40
 
 def test_a_learning_rate_that_keeps_climbing_is_held_at_the_rate_the_run_trained_at_before(tmp_path):
     # x1.03 a step from step 150: bare ends ~1000x worse than its twin. The climb helps at first
-    # (warnings on the way hold nothing); once the loss is worse than before it began, earlywarn
-    # rewinds past the 20 worse steps and holds the LR at 3e-3, the rate before the climb (not the
-    # ~50x it had reached calmly)
+    # (warnings on the way hold nothing); a factor left in the loop 16x past the highest rate the
+    # run took (lrtrend.CREEP_FAR) is held at 3e-3, the rate before the climb, before the loss got
+    # worse than before it began: nothing to rewind
     twin, _ = _creeping_loop(False, tmp_path)
     bare, _ = _creeping_loop(False, tmp_path, creep_from=150)
     watched, ew = _creeping_loop(True, tmp_path, creep_from=150)
     held = [e for e in ew.events if e.kind is Kind.LR_HOLD]
     assert len(held) == 1 and held[0].values["lr_ceiling"] == pytest.approx(3e-3), [e.message for e in held]
-    assert "crept up" in held[0].message and "loss got worse" in held[0].message
-    rewinds = [e for e in ew.events if e.kind is Kind.REWIND]
-    assert len(rewinds) == 1 and rewinds[0].step == held[0].step and "crept up" in rewinds[0].message
+    assert "crept up" in held[0].message and "no schedule rises so" in held[0].message
+    assert 150 + 93 <= held[0].step <= 150 + 95  # 1.03 ** 94 = 16.1
+    assert not [e for e in ew.events if e.kind is Kind.REWIND]
     assert ew.counters["skipped_steps"] == 0
+    # the same climb from a rate 3x higher: the loss is worse than before the climb at ~4x, long
+    # before 16x -- held at the rate before the climb, and rewound past the worse steps
+    twin_hi, _ = _creeping_loop(False, tmp_path, lr=1e-2)
+    bare_hi, _ = _creeping_loop(False, tmp_path, creep_from=150, lr=1e-2)
+    watched_hi, ew_hi = _creeping_loop(True, tmp_path, creep_from=150, lr=1e-2)
+    held_hi = [e for e in ew_hi.events if e.kind is Kind.LR_HOLD]
+    rewinds = [e for e in ew_hi.events if e.kind is Kind.REWIND]
+    assert len(held_hi) == 1 and held_hi[0].values["lr_ceiling"] == pytest.approx(1e-2)
+    assert "loss got worse" in held_hi[0].message and held_hi[0].step < 150 + 94
+    assert len(rewinds) == 1 and rewinds[0].step == held_hi[0].step and "crept up" in rewinds[0].message
+    assert bare_hi > 1000 * twin_hi and watched_hi <= 2.0 * twin_hi, (bare_hi, watched_hi, twin_hi)
+    ew_hi.close()
     assert bare > 100 * twin and watched <= 1.1 * twin, (bare, watched, twin)
     ew.close()
