@@ -12,7 +12,7 @@ size bounded (``OUTLIER_GROWTH``). Pure Python; read by
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable
 
 IDLE_STEP_CAP = 100.0
 """An outlier at which a part of the model idle for steps trains again (a rarely sampled task's
@@ -233,7 +233,7 @@ def loss_at_level(loss: float, ratio: float) -> bool:
     return loss < TAIL_LOSS or loss < bound
 
 
-def loss_jump(losses: Sequence[float]) -> float:
+def loss_jump(losses: Iterable[float]) -> float:
     """How many times its typical step-to-step change the last of ``losses`` (the run's latest, in
     order) moved from the one before: over the median size of the changes before it (NaN with
     fewer than 10 of them, or where most were exactly 0: a loss reported stale is not read)."""
