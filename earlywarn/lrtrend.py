@@ -81,9 +81,10 @@ class LrTrend:
     """``trend.push(lr, loss)`` every step; :attr:`creeping`, :attr:`stalled`, :attr:`far` and
     :attr:`calm_lr` say where it stands; :attr:`held` is the policy's mark that it held this rise
     (:attr:`capped`: that it held it gone far, without a rewind). State: the step count, the
-    previous LR, how many steps in a row it rose, the rate it rose from (NaN: no rise under way, or one from too early in the run to have a
-    calm rate), the highest LR taken before the rise and ever, the last ``LOSS_STEPS`` losses,
-    the loss's level and noise before the rise, the run's first loss, and the last few rates."""
+    previous LR, how many steps in a row it rose, the rate it rose from (NaN: no rise under way,
+    or one from too early in the run to have a calm rate), the highest LR taken before the rise
+    and ever, the last ``LOSS_STEPS`` losses, the loss's level and noise before the rise, the
+    run's first loss, and the last few rates."""
 
     def __init__(self) -> None:
         self.seen = 0
