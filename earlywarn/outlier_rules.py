@@ -12,6 +12,7 @@ size bounded (``OUTLIER_GROWTH``). Pure Python; read by
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Iterable
 
 IDLE_STEP_CAP = 100.0
@@ -240,9 +241,7 @@ def loss_jump(losses: Iterable[float]) -> float:
     xs = list(losses)
     if len(xs) < 11 or not all(map(math.isfinite, xs)):
         return math.nan
-    sizes = sorted(abs(b - a) for a, b in zip(xs[:-1], xs[1:-1]))
-    n = len(sizes)
-    typical = sizes[n // 2] if n % 2 else 0.5 * (sizes[n // 2 - 1] + sizes[n // 2])
+    typical = statistics.median(abs(b - a) for a, b in zip(xs[:-1], xs[1:-1]))
     return abs(xs[-1] - xs[-2]) / typical if typical > 0.0 else math.nan
 
 

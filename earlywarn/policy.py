@@ -387,7 +387,7 @@ class Policy:
                 return (Action.NONE, None, TAIL_NOTE, None) if ratio <= cap else (Action.CLIP, cap / ratio, TAIL_NOTE, None)
             self.tail_seen += 1
             self.tail_max = max(self.tail_max, ratio)
-            if self.outliers == 1 and at_level and loss_jump(losses) >= TAIL_SIGNAL_Z:
+            if self.outliers == 1 and loss_jump(losses) >= TAIL_SIGNAL_Z:  # (at its level: no tail known)
                 self.tail_taken = t  # the batch moved a loss that had all but stood still: the run's signal
                 return Action.NONE, None, TAIL_SIGNAL_NOTE, None
         prev = a.values.get("prev_ratio", 1.0)
